@@ -1,0 +1,269 @@
+"""CPU tests for owner lanes: every rule of ``vllm_specgraph.lanes``."""
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from vllm_specgraph.lanes import (
+    ALIGNMENT_BYTES,
+    LaneWorkspace,
+    WorkspaceLockedError,
+    current_owner,
+    use_lane,
+    use_owner,
+)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def test_use_owner_default_is_target():
+    assert current_owner() == "target"
+
+
+def test_use_owner_nested_restores_outer_owner():
+    with use_owner("draft"):
+        with use_owner("target"):
+            assert current_owner() == "target"
+        assert current_owner() == "draft"
+    assert current_owner() == "target"
+
+
+def test_use_owner_exception_restores_owner():
+    with pytest.raises(KeyError), use_owner("draft"):
+        raise KeyError("boom")
+    assert current_owner() == "target"
+
+
+def test_use_owner_threads_are_isolated():
+    barrier = threading.Barrier(2)
+    seen: dict[str, str] = {}
+
+    def run(owner: str) -> None:
+        with use_owner(owner):
+            barrier.wait()  # both threads are inside their block at once
+            seen[owner] = current_owner()
+            barrier.wait()
+
+    threads = [threading.Thread(target=run, args=(o,)) for o in ("target", "draft")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {"target": "target", "draft": "draft"}
+    assert current_owner() == "target"
+
+
+def test_use_owner_asyncio_tasks_are_isolated():
+    async def run(owner: str, gate: asyncio.Event, other: asyncio.Event) -> str:
+        with use_owner(owner):
+            gate.set()
+            await other.wait()  # the other task has set its owner by now
+            return str(current_owner())
+
+    async def main() -> list[str]:
+        a, b = asyncio.Event(), asyncio.Event()
+        return await asyncio.gather(run("draft", a, b), run("target", b, a))
+
+    assert asyncio.run(main()) == ["draft", "target"]
+
+
+def test_use_lane_negative_raises_value_error():
+    with pytest.raises(ValueError, match="lane must be >= 0, got -1"), use_lane(-1):
+        pass
+
+
+def test_use_owner_bad_type_raises_type_error():
+    with pytest.raises(TypeError, match="owner must be"), use_owner(""):
+        pass
+
+
+def test_init_negative_lane_raises_value_error():
+    with pytest.raises(ValueError, match="'draft' maps to lane -2"):
+        LaneWorkspace("cpu", owner_lanes={"target": 0, "draft": -2})
+
+
+def test_init_no_lanes_raises_value_error():
+    with pytest.raises(ValueError, match="num_lanes must be >= 1, got 0"):
+        LaneWorkspace("cpu", owner_lanes={})
+
+
+def test_init_owner_beyond_num_lanes_raises_value_error():
+    with pytest.raises(ValueError, match="raise num_lanes"):
+        LaneWorkspace("cpu", owner_lanes={"target": 0, "draft": 1}, num_lanes=1)
+
+
+def test_lane_of_unconfigured_lane_raises_runtime_error():
+    ws = LaneWorkspace("cpu")
+    with use_lane(2), pytest.raises(RuntimeError, match=r"lane 2 is not configured.*2 lane"):
+        ws.get_simultaneous(((4,), torch.float32))
+
+
+def test_lane_of_unknown_owner_raises_runtime_error():
+    ws = LaneWorkspace("cpu")
+    with use_owner("encoder"), pytest.raises(RuntimeError, match="'encoder' has no lane"):
+        ws.get_simultaneous(((4,), torch.float32))
+
+
+def test_lane_of_extra_owners_configurable():
+    ws = LaneWorkspace("cpu", owner_lanes={"target": 0, "draft": 1, "encoder": 2, "eager": 0})
+    assert [ws.lane_of(o) for o in ("target", "draft", "encoder", "eager")] == [0, 1, 2, 0]
+    assert ws.num_lanes == 3
+
+
+def test_get_simultaneous_views_aligned_and_disjoint():
+    ws = LaneWorkspace("cpu")
+    views = ws.get_simultaneous(((3,), torch.float16), ((5, 7), torch.float32), ((1,), torch.int8))
+    assert [tuple(v.shape) for v in views] == [(3,), (5, 7), (1,)]
+    assert [v.dtype for v in views] == [torch.float16, torch.float32, torch.int8]
+    for v in views:
+        assert v.data_ptr() % ALIGNMENT_BYTES == 0
+    spans = [_span(v) for v in views]
+    for i in range(len(spans)):
+        for j in range(i + 1, len(spans)):
+            assert not _overlaps(spans[i], spans[j])
+
+
+def test_get_simultaneous_repeat_call_reuses_memory():
+    ws = LaneWorkspace("cpu")
+    (a,) = ws.get_simultaneous(((64,), torch.float32))
+    (b,) = ws.get_simultaneous(((32,), torch.float32))
+    assert a.data_ptr() == b.data_ptr()
+    assert ws.usage()["target"].retired_bytes == 0
+
+
+def test_get_simultaneous_no_two_slots_share_storage():
+    ws = LaneWorkspace("cpu", num_ubatches=2, owner_lanes={"target": 0, "draft": 1, "enc": 2})
+    spans = []
+    for ubatch in range(2):
+        for owner in ("target", "draft", "enc"):
+            with use_owner(owner):
+                (v,) = ws.get_simultaneous(((128,), torch.float32), ubatch=ubatch)
+                v.fill_(ubatch * 10 + ws.lane_of(owner))
+                spans.append(_span(v))
+    assert len(spans) == 6
+    for i in range(len(spans)):
+        for j in range(i + 1, len(spans)):
+            assert not _overlaps(spans[i], spans[j])
+
+
+def test_get_simultaneous_shared_lane_aliases():
+    ws = LaneWorkspace("cpu", owner_lanes={"target": 0, "draft": 0})
+    (t,) = ws.get_simultaneous(((16,), torch.float32))
+    with use_owner("draft"):
+        (d,) = ws.get_simultaneous(((16,), torch.float32))
+    assert _overlaps(_span(t), _span(d))
+
+
+def test_get_simultaneous_bad_ubatch_raises_value_error():
+    ws = LaneWorkspace("cpu", num_ubatches=2)
+    with pytest.raises(ValueError, match=r"ubatch must be in \[0, 2\), got 2"):
+        ws.get_simultaneous(((4,), torch.float32), ubatch=2)
+
+
+def test_get_simultaneous_growth_retires_old_buffer_and_keeps_contents():
+    ws = LaneWorkspace("cpu")
+    (small,) = ws.get_simultaneous(((16,), torch.float32))
+    small.fill_(7.0)
+    (big,) = ws.get_simultaneous(((4096,), torch.float32))
+    assert big.data_ptr() != small.data_ptr()
+    usage = ws.usage()["target"]
+    assert usage.retired_bytes >= 16 * 4
+    assert usage.live_bytes >= 4096 * 4
+    # The retired buffer is still owned by the workspace, so a graph reading it reads 7s.
+    assert torch.equal(small, torch.full((16,), 7.0))
+    assert ws.usage()["draft"].total_bytes == 0
+
+
+def test_release_retired_frees_only_retired():
+    ws = LaneWorkspace("cpu")
+    ws.get_simultaneous(((16,), torch.float32))
+    ws.get_simultaneous(((1024,), torch.float32))
+    retired = ws.usage()["target"].retired_bytes
+    assert ws.release_retired() == retired > 0
+    assert ws.usage()["target"].retired_bytes == 0
+    assert ws.usage()["target"].live_bytes >= 1024 * 4
+    assert ws.release_retired() == 0
+
+
+def test_lock_growth_raises_with_location_owner_lane_bytes():
+    ws = LaneWorkspace("cpu", num_ubatches=2)
+    with use_owner("draft"):
+        ws.get_simultaneous(((16,), torch.float32), ubatch=1)
+    ws.lock()
+    with use_owner("draft"), pytest.raises(WorkspaceLockedError) as info:
+        ws.get_simultaneous(((1024,), torch.float32), ubatch=1)
+    message = str(info.value)
+    assert "test_lanes.py" in message
+    assert "test_lock_growth_raises_with_location_owner_lane_bytes" in message
+    assert "owner='draft'" in message and "lane=1" in message and "ubatch=1" in message
+    assert "needs 4096 bytes" in message and "held=256 bytes" in message
+    assert ws.usage()["draft"].retired_bytes == 0  # the refused call changed nothing
+
+
+def test_lock_within_capacity_still_serves():
+    ws = LaneWorkspace("cpu")
+    (a,) = ws.get_simultaneous(((256,), torch.float32))
+    ws.lock()
+    (b,) = ws.get_simultaneous(((100,), torch.float32))
+    assert a.data_ptr() == b.data_ptr()
+    ws.unlock()
+    assert not ws.is_locked
+    ws.get_simultaneous(((1024,), torch.float32))
+
+
+def test_get_persistent_same_key_same_tensor_per_slot():
+    ws = LaneWorkspace("cpu")
+    a = ws.get_persistent("cu_seqlens", (9,), torch.int32)
+    assert torch.count_nonzero(a) == 0
+    assert ws.get_persistent("cu_seqlens", (9,), torch.int32) is a
+    with use_owner("draft"):
+        d = ws.get_persistent("cu_seqlens", (9,), torch.int32)
+    assert d is not a
+    assert ws.usage()["target"].persistent_bytes == 36
+
+
+def test_get_persistent_shape_mismatch_raises_value_error():
+    ws = LaneWorkspace("cpu")
+    ws.get_persistent("k", (4,), torch.int32)
+    with pytest.raises(ValueError, match=r"exists as \(4,\)/torch.int32, asked for \(5,\)"):
+        ws.get_persistent("k", (5,), torch.int32)
+
+
+def test_get_persistent_new_key_after_lock_raises():
+    ws = LaneWorkspace("cpu")
+    ws.get_persistent("old", (4,), torch.int32)
+    ws.lock()
+    assert ws.get_persistent("old", (4,), torch.int32).numel() == 4
+    with pytest.raises(WorkspaceLockedError, match="new persistent 'new' of 16 bytes"):
+        ws.get_persistent("new", (4,), torch.int32)
+
+
+def test_rollback_restores_buffers_retired_and_persistent():
+    ws = LaneWorkspace("cpu")
+    (before,) = ws.get_simultaneous(((16,), torch.float32))
+    ws.get_persistent("kept", (2,), torch.int32)
+    checkpoint = ws.checkpoint()
+    usage_before = ws.usage()
+    with use_owner("draft"):
+        ws.get_simultaneous(((512,), torch.float32))
+    ws.get_simultaneous(((512,), torch.float32))
+    ws.get_persistent("new", (2,), torch.int32)
+    ws.rollback(checkpoint)
+    assert ws.usage() == usage_before
+    (after,) = ws.get_simultaneous(((16,), torch.float32))
+    assert after.data_ptr() == before.data_ptr()
+
+
+def test_rollback_foreign_checkpoint_raises_value_error():
+    a, b = LaneWorkspace("cpu"), LaneWorkspace("cpu")
+    with pytest.raises(ValueError, match="another LaneWorkspace"):
+        a.rollback(b.checkpoint())

@@ -1,0 +1,375 @@
+"""Owner lanes: one reusable workspace buffer per (ubatch, lane).
+
+A captured CUDA graph bakes in the addresses of every workspace view it took.
+Target and speculator graphs must therefore never take views of the same
+buffer, and a buffer must outlive every graph that viewed it. This module
+gives each execution owner (target, draft, ...) its own lane, and each
+(ubatch, lane) its own buffer:
+
+* :func:`use_owner` selects the owner for the current execution context
+  (thread or asyncio task); :class:`LaneWorkspace` resolves it to a lane.
+* Growth never frees: the outgrown buffer is *retired* and kept alive until
+  the caller says, through :meth:`LaneWorkspace.release_retired`, that the
+  graphs which took views of it are destroyed.
+* :meth:`LaneWorkspace.lock` turns any further growth into an error that names
+  the caller, so a late allocation cannot silently move memory under a graph.
+
+Torch only: this module never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from math import prod
+
+import torch
+
+__all__ = [
+    "ALIGNMENT_BYTES",
+    "DEFAULT_OWNER_LANES",
+    "LaneCheckpoint",
+    "LaneWorkspace",
+    "OwnerBytes",
+    "WorkspaceLockedError",
+    "current_owner",
+    "use_lane",
+    "use_owner",
+]
+
+ALIGNMENT_BYTES = 256
+"""Every view starts at a multiple of this many bytes (vectorised kernels assume it)."""
+
+DEFAULT_OWNER_LANES: Mapping[str, int] = {"target": 0, "draft": 1}
+"""Target runs in lane 0; every speculator phase (load, propose, capture) in lane 1."""
+
+Owner = str | int
+"""An owner name, or a lane index chosen directly (vLLM's ``use_workspace_lane``)."""
+
+_current_owner: contextvars.ContextVar[Owner] = contextvars.ContextVar(
+    "vllm_specgraph_owner", default="target"
+)
+
+
+def current_owner() -> Owner:
+    """The owner selected for this thread or asyncio task ("target" unless set)."""
+    return _current_owner.get()
+
+
+@contextmanager
+def use_owner(owner: Owner) -> Iterator[None]:
+    """Run the block as ``owner``; the previous owner is restored on exit, also on error.
+
+    The selection lives in a :class:`contextvars.ContextVar`, so it is private to
+    the current thread or asyncio task. Legal during capture (it allocates nothing).
+    """
+    if isinstance(owner, int):
+        _check_lane_index(owner)
+    elif not isinstance(owner, str) or not owner:
+        raise TypeError(f"owner must be a non-empty str or an int lane, got {owner!r}")
+    token = _current_owner.set(owner)
+    try:
+        yield
+    finally:
+        _current_owner.reset(token)
+
+
+def use_lane(lane: int) -> AbstractContextManager[None]:
+    """Select a lane by index rather than by owner name (same rules as :func:`use_owner`)."""
+    return use_owner(lane)
+
+
+def _check_lane_index(lane: int) -> None:
+    if lane < 0:
+        raise ValueError(f"lane must be >= 0, got {lane}; target uses lane 0, draft lane 1")
+
+
+class WorkspaceLockedError(RuntimeError):
+    """A locked workspace was asked for memory it does not already hold."""
+
+
+@dataclass(frozen=True)
+class OwnerBytes:
+    """Bytes held for one owner across all ubatches."""
+
+    live_bytes: int
+    retired_bytes: int
+    persistent_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.live_bytes + self.retired_bytes + self.persistent_bytes
+
+
+@dataclass(frozen=True)
+class LaneCheckpoint:
+    """Opaque record of a workspace's buffers, taken by :meth:`LaneWorkspace.checkpoint`."""
+
+    workspace_id: int
+    slots: tuple[tuple[tuple[int, int], _SlotState], ...]
+    token: object = field(default_factory=object, compare=False)
+
+
+@dataclass(frozen=True)
+class _SlotState:
+    buffer: torch.Tensor | None
+    retired: tuple[torch.Tensor, ...]
+    persistent: tuple[tuple[str, torch.Tensor], ...]
+
+
+@dataclass
+class _Slot:
+    buffer: torch.Tensor | None = None
+    retired: list[torch.Tensor] = field(default_factory=list)
+    persistent: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def state(self) -> _SlotState:
+        return _SlotState(self.buffer, tuple(self.retired), tuple(self.persistent.items()))
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
+
+
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def _caller_location() -> str:
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+class LaneWorkspace:
+    """Scratch memory with one buffer per (ubatch, lane).
+
+    Arguments:
+        device: where buffers live.
+        num_ubatches: micro-batches that run concurrently (dual-batch overlap uses 2).
+        owner_lanes: owner name -> lane. Several owners may share a lane (an
+            ``{"target": 0, "draft": 0}`` map reproduces upstream's single lane).
+        num_lanes: lanes to configure; defaults to the highest mapped lane + 1.
+
+    *Owns*: every buffer, retired buffer and persistent tensor it hands views of.
+    *Borrows*: nothing. Callers hold views only while the workspace lives.
+
+    .. note:: One workspace is used from one thread at a time (the runner's);
+       only the owner selection is per thread / per task.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        *,
+        num_ubatches: int = 1,
+        owner_lanes: Mapping[str, int] = DEFAULT_OWNER_LANES,
+        num_lanes: int | None = None,
+    ) -> None:
+        if num_ubatches < 1:
+            raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
+        for owner, lane in owner_lanes.items():
+            if lane < 0:
+                raise ValueError(
+                    f"owner {owner!r} maps to lane {lane}; lanes must be >= 0 "
+                    "(target uses 0, draft 1)"
+                )
+        if num_lanes is None:
+            num_lanes = max(owner_lanes.values(), default=-1) + 1
+        if num_lanes < 1:
+            raise ValueError(
+                f"num_lanes must be >= 1, got {num_lanes}; map at least one owner "
+                "(e.g. owner_lanes={'target': 0})"
+            )
+        beyond = {o: lane for o, lane in owner_lanes.items() if lane >= num_lanes}
+        if beyond:
+            raise ValueError(f"owners {beyond} map past num_lanes={num_lanes}; raise num_lanes")
+        self.device = torch.device(device)
+        self.num_ubatches = num_ubatches
+        self.num_lanes = num_lanes
+        self.owner_lanes: Mapping[str, int] = dict(owner_lanes)
+        self._slots = {(u, lane): _Slot() for u in range(num_ubatches) for lane in range(num_lanes)}
+        self._locked = False
+
+    # -- lane resolution -------------------------------------------------------------
+
+    def lane_of(self, owner: Owner) -> int:
+        """The lane that ``owner`` (a name, or a lane index) runs in.
+
+        Raises RuntimeError for an owner or lane this workspace was not configured with.
+        """
+        if isinstance(owner, int):
+            _check_lane_index(owner)
+            if owner >= self.num_lanes:
+                raise RuntimeError(
+                    f"lane {owner} is not configured: this workspace has {self.num_lanes} "
+                    f"lane(s); build it with num_lanes>={owner + 1}"
+                )
+            return owner
+        lane = self.owner_lanes.get(owner)
+        if lane is None:
+            raise RuntimeError(
+                f"owner {owner!r} has no lane: configured owners are "
+                f"{sorted(self.owner_lanes)}; add it to owner_lanes"
+            )
+        return lane
+
+    def _slot(self, ubatch: int) -> tuple[_Slot, Owner, int]:
+        if not 0 <= ubatch < self.num_ubatches:
+            raise ValueError(f"ubatch must be in [0, {self.num_ubatches}), got {ubatch}")
+        owner = current_owner()
+        lane = self.lane_of(owner)
+        return self._slots[(ubatch, lane)], owner, lane
+
+    # -- allocation ------------------------------------------------------------------
+
+    def get_simultaneous(
+        self, *shapes_and_dtypes: tuple[Sequence[int], torch.dtype], ubatch: int = 0
+    ) -> list[torch.Tensor]:
+        """Views of the current owner's buffer, one per ``(shape, dtype)``, never overlapping.
+
+        Each view starts on an :data:`ALIGNMENT_BYTES` boundary. Views of one call
+        are valid together; a later call on the same (ubatch, lane) reuses the
+        same memory. Grows the buffer if needed (see class notes); legal during
+        capture only when no growth is needed, since growth allocates.
+        """
+        sizes = [_aligned(_nbytes(shape, dtype)) for shape, dtype in shapes_and_dtypes]
+        slot, owner, lane = self._slot(ubatch)
+        required = sum(sizes)
+        buffer = self._ensure_capacity(slot, required, owner, lane, ubatch)
+        base = (-buffer.data_ptr()) % ALIGNMENT_BYTES
+        views, offset = [], base
+        for (shape, dtype), size in zip(shapes_and_dtypes, sizes, strict=True):
+            nbytes = _nbytes(shape, dtype)
+            views.append(buffer[offset : offset + nbytes].view(dtype).view(tuple(shape)))
+            offset += size
+        return views
+
+    def _ensure_capacity(
+        self, slot: _Slot, required: int, owner: Owner, lane: int, ubatch: int
+    ) -> torch.Tensor:
+        held = 0 if slot.buffer is None else slot.buffer.numel() - (ALIGNMENT_BYTES - 1)
+        if slot.buffer is not None and held >= required:
+            return slot.buffer
+        if self._locked:
+            raise WorkspaceLockedError(
+                f"workspace is locked but {_caller_location()} needs {required} bytes "
+                f"(owner={owner!r}, lane={lane}, ubatch={ubatch}, held={held} bytes); "
+                "size the workspace during warm-up, before lock()"
+            )
+        # Slack lets the first view start aligned wherever the allocator placed it.
+        new = torch.empty(required + ALIGNMENT_BYTES - 1, dtype=torch.uint8, device=self.device)
+        if slot.buffer is not None:
+            # A captured graph may still point into the old buffer: keep it.
+            slot.retired.append(slot.buffer)
+        slot.buffer = new
+        return new
+
+    def get_persistent(
+        self, key: str, shape: Sequence[int], dtype: torch.dtype, *, ubatch: int = 0
+    ) -> torch.Tensor:
+        """A zero-initialised tensor kept under ``key`` for the current (ubatch, lane).
+
+        The same key returns the same tensor; asking for it with another shape or
+        dtype raises ValueError. A new key after :meth:`lock` raises
+        :class:`WorkspaceLockedError`.
+        """
+        slot, owner, lane = self._slot(ubatch)
+        tensor = slot.persistent.get(key)
+        if tensor is not None:
+            if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+                raise ValueError(
+                    f"persistent {key!r} (owner={owner!r}, lane={lane}) exists as "
+                    f"{tuple(tensor.shape)}/{tensor.dtype}, asked for {tuple(shape)}/{dtype}; "
+                    "use a new key for a new shape"
+                )
+            return tensor
+        if self._locked:
+            raise WorkspaceLockedError(
+                f"workspace is locked but {_caller_location()} asks for new persistent "
+                f"{key!r} of {_nbytes(shape, dtype)} bytes (owner={owner!r}, lane={lane}, "
+                f"ubatch={ubatch}, held={self._held_bytes(lane)} bytes); create it before lock()"
+            )
+        tensor = torch.zeros(tuple(shape), dtype=dtype, device=self.device)
+        slot.persistent[key] = tensor
+        return tensor
+
+    def _held_bytes(self, lane: int) -> int:
+        return sum(
+            _slot_bytes(slot)[0] + _slot_bytes(slot)[2]
+            for (_, slot_lane), slot in self._slots.items()
+            if slot_lane == lane
+        )
+
+    # -- lock, release, accounting ---------------------------------------------------
+
+    @property
+    def is_locked(self) -> bool:
+        return self._locked
+
+    def lock(self) -> None:
+        """Refuse growth and new persistent keys from now on (call after warm-up)."""
+        self._locked = True
+
+    def unlock(self) -> None:
+        """Allow growth again (before a re-capture, for instance)."""
+        self._locked = False
+
+    def release_retired(self) -> int:
+        """Free every retired buffer; returns the bytes released.
+
+        *Requires*: every CUDA graph that took views of a retired buffer is
+        destroyed (reset or deleted) and its work synchronised. Not legal during capture.
+        """
+        released = 0
+        for slot in self._slots.values():
+            released += sum(t.numel() for t in slot.retired)
+            slot.retired.clear()
+        return released
+
+    def usage(self) -> dict[str, OwnerBytes]:
+        """Bytes held per configured owner, summed over ubatches.
+
+        Owners sharing a lane report the same lane's bytes each.
+        """
+        per_lane: dict[int, list[int]] = {lane: [0, 0, 0] for lane in range(self.num_lanes)}
+        for (_, lane), slot in self._slots.items():
+            for i, nbytes in enumerate(_slot_bytes(slot)):
+                per_lane[lane][i] += nbytes
+        return {owner: OwnerBytes(*per_lane[lane]) for owner, lane in self.owner_lanes.items()}
+
+    # -- checkpoint / rollback -------------------------------------------------------
+
+    def checkpoint(self) -> LaneCheckpoint:
+        """Record which buffers each slot holds, for :meth:`rollback`. Allocates nothing."""
+        return LaneCheckpoint(id(self), tuple((k, s.state()) for k, s in self._slots.items()))
+
+    def rollback(self, checkpoint: LaneCheckpoint) -> None:
+        """Return every slot to the buffers it held at ``checkpoint``.
+
+        Buffers and persistent tensors created since are dropped (freed once no
+        view of them is left); buffers retired since become live again.
+
+        *Requires*: every graph captured since the checkpoint is destroyed.
+        The lock state is left as it is.
+        """
+        if checkpoint.workspace_id != id(self):
+            raise ValueError("checkpoint was taken from another LaneWorkspace; roll back that one")
+        for key, state in checkpoint.slots:
+            slot = self._slots[key]
+            slot.buffer = state.buffer
+            slot.retired = list(state.retired)
+            slot.persistent = dict(state.persistent)
+
+
+def _slot_bytes(slot: _Slot) -> tuple[int, int, int]:
+    live = 0 if slot.buffer is None else slot.buffer.numel()
+    retired = sum(t.numel() for t in slot.retired)
+    persistent = sum(t.numel() * t.element_size() for t in slot.persistent.values())
+    return live, retired, persistent
