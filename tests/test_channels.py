@@ -1,0 +1,417 @@
+"""CPU tests for vllm_specgraph.channels (no GPU, no vLLM)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from vllm_specgraph.channels import (
+    Channel,
+    ChannelPool,
+    DeviceChannel,
+    checkpoint_pools,
+    device_channel_factory,
+    rollback_pools,
+)
+
+
+class _FakeChannel:
+    """Records its close calls, labelled by pool name, into a list shared with the pool."""
+
+    def __init__(self, channel_id: int, owner: str, pool_name: str, events: list[tuple]) -> None:
+        self.channel_id = channel_id
+        self.owner = owner
+        self._pool_name = pool_name
+        self._events = events
+
+    def close_imports(self) -> None:
+        self._events.append(("close_imports", self._pool_name, self.channel_id))
+
+    def free_exports(self) -> None:
+        self._events.append(("free_exports", self._pool_name, self.channel_id))
+
+
+def _make_pool(name: str = "tp", events: list[tuple] | None = None) -> tuple[ChannelPool, list]:
+    events = [] if events is None else events
+
+    def create_channel(channel_id: int, owner: str) -> Channel:
+        events.append(("create", name, channel_id))
+        return _FakeChannel(channel_id, owner, name, events)
+
+    pool = ChannelPool(
+        name,
+        create_channel,
+        barrier=lambda: events.append(("barrier", name)),
+        synchronize=lambda: events.append(("sync", name)),
+    )
+    return pool, events
+
+
+def _state(pool: ChannelPool) -> tuple:
+    return pool.num_channels, pool.channels
+
+
+def _expected_close(name: str, newest_first: list[int]) -> list[tuple]:
+    return [
+        ("sync", name),
+        ("barrier", name),
+        *[("close_imports", name, i) for i in newest_first],
+        ("barrier", name),
+        *[("free_exports", name, i) for i in newest_first],
+        ("barrier", name),
+    ]
+
+
+def test_capture_each_entry_creates_fresh_channel():
+    pool, _ = _make_pool()
+    with pool.capture(owner="target") as target:
+        assert pool.current() is target
+    with pool.capture(owner="draft") as draft:
+        assert pool.current() is draft
+    assert target is not draft
+    assert target.channel_id != draft.channel_id
+    assert pool.channels == (target, draft)
+
+
+def test_capture_nested_reuses_enclosing_channel():
+    pool, _ = _make_pool()
+    with pool.capture(owner="target") as outer:
+        with pool.capture() as inner:
+            assert inner is outer
+            assert pool.current() is outer
+        assert pool.current() is outer
+    assert pool.num_channels == 1
+
+
+def test_current_outside_capture_creates_eager_channel_lazily():
+    pool, events = _make_pool()
+    assert pool.num_channels == 0 and events == []
+    eager = pool.current()
+    assert pool.current() is eager
+    with pool.capture(owner="target") as target:
+        assert target is not eager
+    assert pool.current() is eager
+    assert pool.num_channels == 2
+
+
+def test_capture_after_eager_use_never_returns_eager_channel():
+    pool, _ = _make_pool()
+    eager = pool.current()
+    seen = []
+    for owner in ("target", "draft"):
+        with pool.capture(owner=owner) as channel:
+            seen.append(channel)
+    assert eager not in seen and seen[0] is not seen[1]
+
+
+def test_capture_exception_restores_outer_state():
+    pool, _ = _make_pool()
+    eager = pool.current()
+    with pool.capture(owner="target") as outer:
+        with pytest.raises(ValueError, match="boom"), pool.capture():
+            raise ValueError("boom")
+        assert pool.current() is outer
+    with pytest.raises(KeyError), pool.capture(owner="draft"):
+        raise KeyError("x")
+    assert pool.current() is eager
+    pool.checkpoint()  # would raise if a capture were still counted as active
+
+
+def test_capture_in_threads_is_isolated():
+    pool, _ = _make_pool()
+    eager = pool.current()
+    both_inside = threading.Barrier(3)
+    results: dict[str, tuple] = {}
+
+    def worker(owner: str) -> None:
+        with pool.capture(owner=owner) as channel:
+            both_inside.wait(timeout=5)
+            results[owner] = (channel, pool.current())
+            both_inside.wait(timeout=5)
+
+    threads = [threading.Thread(target=worker, args=(o,)) for o in ("target", "draft")]
+    for t in threads:
+        t.start()
+    both_inside.wait(timeout=5)
+    # Other threads' captures are invisible to current() here but still block checkpoint().
+    assert pool.current() is eager
+    with pytest.raises(RuntimeError, match="capture"):
+        pool.checkpoint()
+    both_inside.wait(timeout=5)
+    for t in threads:
+        t.join(timeout=5)
+    (t_ch, t_cur), (d_ch, d_cur) = results["target"], results["draft"]
+    assert t_ch is t_cur and d_ch is d_cur and t_ch is not d_ch
+    assert eager not in (t_ch, d_ch)
+
+
+def test_capture_in_asyncio_tasks_is_isolated():
+    pool, _ = _make_pool()
+
+    async def task(owner: str, entered: asyncio.Event, other: asyncio.Event) -> tuple:
+        with pool.capture(owner=owner) as channel:
+            entered.set()
+            await other.wait()  # both tasks are inside their captures now
+            return channel, pool.current()
+
+    async def main() -> list[tuple]:
+        a, b = asyncio.Event(), asyncio.Event()
+        return await asyncio.gather(task("target", a, b), task("draft", b, a))
+
+    (t_ch, t_cur), (d_ch, d_cur) = asyncio.run(main())
+    assert t_ch is t_cur and d_ch is d_cur and t_ch is not d_ch
+
+
+def test_channels_view_is_read_only_snapshot():
+    pool, _ = _make_pool()
+    view = pool.channels
+    assert isinstance(view, tuple)
+    pool.current()
+    assert view == () and len(pool.channels) == 1
+
+
+def test_rollback_newer_channels_closes_newest_first_in_coordinated_order():
+    pool, events = _make_pool()
+    with pool.capture(owner="warm"):
+        pass
+    cp = pool.checkpoint()
+    for owner in ("target", "draft", "encoder"):
+        with pool.capture(owner=owner):
+            pass
+    kept = pool.channels[:1]
+    events.clear()
+    pool.rollback(cp)
+    assert events == _expected_close("tp", [3, 2, 1])
+    assert pool.channels == kept
+
+
+def test_rollback_nothing_newer_emits_no_events():
+    pool, events = _make_pool()
+    pool.current()
+    cp = pool.checkpoint()
+    events.clear()
+    pool.rollback(cp)
+    assert events == [] and pool.num_channels == 1
+
+
+def test_rollback_eager_created_after_checkpoint_drops_it():
+    pool, events = _make_pool()
+    cp = pool.checkpoint()
+    old_eager = pool.current()
+    pool.rollback(cp)
+    assert pool.num_channels == 0
+    assert ("free_exports", "tp", old_eager.channel_id) in events
+    new_eager = pool.current()
+    assert new_eager is not old_eager
+    assert new_eager.channel_id != old_eager.channel_id  # ids are never reused
+
+
+def test_rollback_eager_created_before_checkpoint_keeps_it():
+    pool, _ = _make_pool()
+    eager = pool.current()
+    cp = pool.checkpoint()
+    with pool.capture(owner="target"):
+        pass
+    pool.rollback(cp)
+    assert pool.current() is eager and pool.channels == (eager,)
+
+
+def test_checkpoint_during_capture_raises_and_changes_nothing():
+    pool, events = _make_pool()
+    with pool.capture(owner="target"):
+        before, num_events = _state(pool), len(events)
+        with pytest.raises(RuntimeError, match=r"pool\.capture\(\)"):
+            pool.checkpoint()
+        assert _state(pool) == before and len(events) == num_events
+
+
+def test_rollback_during_capture_raises_and_changes_nothing():
+    pool, events = _make_pool()
+    cp = pool.checkpoint()
+    with pool.capture(owner="target"):
+        before, num_events = _state(pool), len(events)
+        with pytest.raises(RuntimeError, match="refused"):
+            pool.rollback(cp)
+        assert _state(pool) == before and len(events) == num_events
+    pool.rollback(cp)  # the refused call did not consume the checkpoint
+    assert pool.num_channels == 0
+
+
+def test_rollback_foreign_checkpoint_raises_value_error_naming_both_pools():
+    tp, tp_events = _make_pool("tp")
+    dcp, _ = _make_pool("dcp")
+    cp = dcp.checkpoint()
+    tp.current()
+    before, num_events = _state(tp), len(tp_events)
+    with pytest.raises(ValueError, match="dcp") as info:
+        tp.rollback(cp)
+    assert "tp" in str(info.value)
+    assert _state(tp) == before and len(tp_events) == num_events
+
+
+def test_rollback_same_name_other_pool_raises_value_error():
+    first, _ = _make_pool("tp")
+    second, _ = _make_pool("tp")
+    with pytest.raises(ValueError, match="serial"):
+        second.rollback(first.checkpoint())
+
+
+def test_rollback_used_checkpoint_raises_and_changes_nothing():
+    pool, events = _make_pool()
+    cp = pool.checkpoint()
+    pool.current()
+    pool.rollback(cp)
+    pool.current()
+    before, num_events = _state(pool), len(events)
+    with pytest.raises(RuntimeError, match="already used"):
+        pool.rollback(cp)
+    assert _state(pool) == before and len(events) == num_events
+
+
+def test_rollback_to_earlier_checkpoint_invalidates_later_ones():
+    pool, _ = _make_pool()
+    early = pool.checkpoint()
+    with pool.capture(owner="target"):
+        pass
+    late = pool.checkpoint()
+    pool.rollback(early)
+    with pool.capture(owner="draft"), pool.capture():
+        pass
+    with pytest.raises(RuntimeError, match="invalidated"):
+        pool.rollback(late)
+    assert pool.num_channels == 1
+
+
+def test_checkpoint_pools_shared_pool_checkpointed_once_in_first_seen_order():
+    tp, _ = _make_pool("tp")
+    pp, _ = _make_pool("pp")
+    cp = checkpoint_pools([tp, tp, pp, tp])  # TP and DCP groups share one communicator
+    assert cp.pools == (tp, pp)
+    assert [c.pool_name for c in cp.checkpoints] == ["tp", "pp"]
+
+
+def test_rollback_pools_rolls_back_in_reverse_order():
+    events: list[tuple] = []
+    pools = [_make_pool(name, events)[0] for name in ("tp", "dcp", "pp")]
+    cp = checkpoint_pools([pools[0], pools[1], pools[0], pools[2]])
+    for pool in pools:
+        with pool.capture(owner="target"):
+            pass
+    events.clear()
+    rollback_pools(cp)
+    assert events == [e for name in ("pp", "dcp", "tp") for e in _expected_close(name, [0])]
+
+
+def test_rollback_pools_one_pool_capturing_changes_nothing():
+    events: list[tuple] = []
+    tp, _ = _make_pool("tp", events)
+    pp, _ = _make_pool("pp", events)
+    cp = checkpoint_pools([tp, pp])
+    tp.current()
+    with pp.capture(owner="target"):
+        num_events = len(events)
+        with pytest.raises(RuntimeError, match="pp"):
+            rollback_pools(cp)
+        assert len(events) == num_events and tp.num_channels == 1
+    rollback_pools(cp)
+    assert tp.num_channels == 0 and pp.num_channels == 0
+
+
+def _fake_capturing_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Fakes what needs a GPU: a CUDA device whose current stream is capturing a graph.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+
+
+def test_capture_while_stream_capturing_raises_naming_fix(monkeypatch):
+    pool, events = _make_pool()
+    _fake_capturing_stream(monkeypatch)
+    fix = r"enter pool\.capture\(\) before torch\.cuda\.graph"
+    with pytest.raises(RuntimeError, match=fix), pool.capture(owner="target"):
+        pass
+    assert pool.num_channels == 0 and events == []
+    monkeypatch.undo()
+    pool.checkpoint()  # the refused entry left no capture counted as active
+
+
+def test_current_eager_creation_while_stream_capturing_raises(monkeypatch):
+    pool, _ = _make_pool()
+    _fake_capturing_stream(monkeypatch)
+    with pytest.raises(RuntimeError, match="capturing"):
+        pool.current()
+    assert pool.num_channels == 0
+
+
+def test_capture_nested_while_stream_capturing_reuses_without_creating(monkeypatch):
+    pool, _ = _make_pool()
+    with pool.capture(owner="target") as outer:
+        _fake_capturing_stream(monkeypatch)  # torch.cuda.graph(...) entered after the pool
+        with pool.capture() as inner:
+            assert inner is outer and pool.current() is outer
+
+
+def test_close_all_channels_closes_newest_first_and_refuses_reuse():
+    pool, events = _make_pool()
+    pool.current()
+    with pool.capture(owner="target"):
+        pass
+    events.clear()
+    pool.close()
+    assert events == _expected_close("tp", [1, 0])
+    assert pool.num_channels == 0
+    num_events = len(events)
+    pool.close()  # idempotent
+    assert len(events) == num_events
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.current()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.checkpoint()
+
+
+def test_close_during_capture_raises_and_changes_nothing():
+    pool, events = _make_pool()
+    with pool.capture(owner="target"), pytest.raises(RuntimeError, match="close"):
+        pool.close()
+    assert pool.num_channels == 1 and len(events) == 1
+    pool.current()
+
+
+def test_pool_default_barrier_and_synchronize_work_on_cpu():
+    pool = ChannelPool("solo", device_channel_factory(64, "cpu"))
+    cp = pool.checkpoint()
+    with pool.capture(owner="target") as channel:
+        pass
+    pool.rollback(cp)
+    with pytest.raises(RuntimeError, match="closed"):
+        _ = channel.buffer
+
+
+def test_device_channel_owns_buffer_and_signal_until_freed():
+    channel = DeviceChannel(7, "target", 128, "cpu", num_signal_slots=4)
+    assert isinstance(channel, Channel)
+    assert channel.buffer.dtype == torch.uint8 and channel.buffer.numel() == 128
+    assert channel.signal.dtype == torch.int32 and channel.signal.numel() == 4
+    channel.close_imports()
+    with pytest.raises(RuntimeError, match="closed"):
+        _ = channel.buffer
+    channel.free_exports()
+    with pytest.raises(RuntimeError, match="closed"):
+        _ = channel.signal
+
+
+@pytest.mark.parametrize(("nbytes", "slots"), [(0, 4), (16, 0), (-1, 4)])
+def test_device_channel_factory_bad_sizes_raises_value_error(nbytes, slots):
+    with pytest.raises(ValueError, match="must be > 0"):
+        device_channel_factory(nbytes, "cpu", num_signal_slots=slots)
+    with pytest.raises(ValueError, match="must be > 0"):
+        DeviceChannel(0, "x", nbytes, "cpu", num_signal_slots=slots)
+
+
+def test_device_channel_factory_creates_channels_with_given_id_and_owner():
+    create = device_channel_factory(32, "cpu", num_signal_slots=2)
+    channel = create(3, "draft")
+    assert channel.channel_id == 3 and channel.owner == "draft"
+    assert channel.buffer.numel() == 32 and channel.signal.numel() == 2

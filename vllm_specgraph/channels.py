@@ -1,0 +1,398 @@
+"""Graph-scoped communication channels for custom collectives.
+
+A *channel* is the device memory a communicator's kernels run on (staging buffers, signal
+slots, peers' imported IPC memory). A captured CUDA graph bakes in its channel, so graphs
+sharing one corrupt each other's data, and a throwaway graph's leftover channel leaks memory
+and peer mappings. :class:`ChannelPool` gives every capture its own channel, keeps it alive
+until rollback/close, and closes channels in a rank-coordinated order. Enter the pool
+*before* the graph: creating a channel allocates and may be collective::
+
+    with pool.capture(owner="target") as channel:
+        with torch.cuda.graph(graph):
+            run_model(channel)
+
+This module depends on torch only and never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = [
+    "Channel",
+    "ChannelCheckpoint",
+    "ChannelPool",
+    "CreateChannelFn",
+    "DeviceChannel",
+    "PoolsCheckpoint",
+    "checkpoint_pools",
+    "device_channel_factory",
+    "rollback_pools",
+]
+
+# Process-wide counters: pool serials never repeat (unlike id()), and checkpoint tokens are
+# ordered, so a rollback can invalidate every checkpoint taken after its own.
+_pool_serials = itertools.count()
+_checkpoint_tokens = itertools.count()
+
+_FIX_CAPTURE_ORDER = "enter pool.capture() before torch.cuda.graph(...)"
+
+
+@runtime_checkable
+class Channel(Protocol):
+    """Device memory used by one communicator's kernels and baked into captured graphs.
+
+    Requires: ``close_imports`` is called on every rank before ``free_exports`` on any rank
+    (the pool's barriers enforce this), each at most once, and only after every graph that
+    references the channel is destroyed and the device is synchronized.
+    """
+
+    channel_id: int
+
+    def close_imports(self) -> None:
+        """Unmap the peers' memory this rank imported. Not legal during capture."""
+        ...
+
+    def free_exports(self) -> None:
+        """Free this rank's own exported memory. Not legal during capture."""
+        ...
+
+
+CreateChannelFn = Callable[[int, str], Channel]
+"""``create_channel(channel_id, owner) -> Channel``; may be collective across ranks."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelCheckpoint:
+    """Opaque token returned by :meth:`ChannelPool.checkpoint`; usable for one rollback."""
+
+    pool_name: str
+    pool_serial: int  # identifies the pool; names may repeat across pools
+    num_channels: int  # channels that existed when the checkpoint was taken
+    token: int  # unique and increasing across the process
+
+
+@dataclass(frozen=True, slots=True)
+class PoolsCheckpoint:
+    """Checkpoints of several distinct pools, in the order they were taken."""
+
+    pools: tuple[ChannelPool, ...]
+    checkpoints: tuple[ChannelCheckpoint, ...]
+
+
+def _no_op() -> None:
+    pass
+
+
+def _synchronize_device() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _check_sizes(nbytes: int, num_signal_slots: int) -> None:
+    if nbytes <= 0 or num_signal_slots <= 0:
+        raise ValueError(
+            f"nbytes and num_signal_slots must be > 0, got {nbytes}, {num_signal_slots}"
+        )
+
+
+def _stream_is_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class ChannelPool:
+    """Hands out one channel per graph capture and one eager channel; frees them coordinated.
+
+    Arguments:
+        name: label used in errors (e.g. ``"tp"``, ``"dcp"``).
+        create_channel: factory ``(channel_id, owner) -> Channel``. Channel ids are assigned
+            by the pool in creation order and never reused, so ranks that create channels in
+            the same order agree on ids.
+        barrier: collective barrier across the communicator's ranks; no-op by default
+            (single process).
+        synchronize: device synchronization; ``torch.cuda.synchronize`` when CUDA is
+            available, else a no-op.
+
+    Owns: every channel it created, until :meth:`rollback` or :meth:`close` closes it.
+    Captured graphs only borrow channels; callers must destroy them first.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        create_channel: CreateChannelFn,
+        *,
+        barrier: Callable[[], object] | None = None,
+        synchronize: Callable[[], object] | None = None,
+    ) -> None:
+        self._name = name
+        self._serial = next(_pool_serials)
+        self._create_channel = create_channel
+        self._barrier = barrier if barrier is not None else _no_op
+        self._synchronize = synchronize if synchronize is not None else _synchronize_device
+        self._channels: list[Channel] = []
+        self._eager: Channel | None = None
+        self._next_channel_id = 0
+        self._live_tokens: set[int] = set()
+        self._num_active_captures = 0  # across all threads/tasks, unlike the stack below
+        self._closed = False
+        # Reentrant so a factory that inspects the pool cannot deadlock itself.
+        self._lock = threading.RLock()
+        # Per pool and per context: threads and asyncio tasks each see their own captures.
+        self._stack: ContextVar[tuple[Channel, ...]] = ContextVar(
+            f"channel_pool_{self._serial}_stack", default=()
+        )
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def num_channels(self) -> int:
+        return len(self._channels)
+
+    @property
+    def channels(self) -> tuple[Channel, ...]:
+        """Snapshot of every live channel, oldest first (eager channel included)."""
+        return tuple(self._channels)
+
+    @contextmanager
+    def capture(self, owner: str = "capture") -> Iterator[Channel]:
+        """Bind a fresh channel to the capture made inside this block.
+
+        The outermost block creates the channel on entry; a nested block (side streams of
+        the same capture) reuses the enclosing block's channel and ignores ``owner``.
+
+        Requires: the current stream is not capturing yet (raises RuntimeError otherwise).
+        Guarantees: :meth:`current` returns this channel inside the block, in this thread or
+        task only; the previous binding is restored on exit, also on exceptions.
+        """
+        stack = self._stack.get()
+        channel = stack[-1] if stack else self._create(owner)
+        reset_token = self._stack.set((*stack, channel))
+        with self._lock:
+            self._num_active_captures += 1
+        try:
+            yield channel
+        finally:
+            with self._lock:
+                self._num_active_captures -= 1
+            self._stack.reset(reset_token)
+
+    def current(self) -> Channel:
+        """Channel of the active capture, else the eager channel (created on first use).
+
+        Legal during capture only inside :meth:`capture`; creating the eager channel while
+        the stream captures raises RuntimeError.
+        """
+        stack = self._stack.get()
+        if stack:
+            return stack[-1]
+        with self._lock:
+            if self._eager is None:
+                self._eager = self._create("eager")
+            return self._eager
+
+    def checkpoint(self) -> ChannelCheckpoint:
+        """Record the current channels so :meth:`rollback` can close every newer one.
+
+        Requires: no capture is active on this pool (RuntimeError otherwise).
+        """
+        with self._lock:
+            self._check_idle("checkpoint()")
+            cp = ChannelCheckpoint(
+                self._name, self._serial, len(self._channels), next(_checkpoint_tokens)
+            )
+            self._live_tokens.add(cp.token)
+            return cp
+
+    def rollback(self, cp: ChannelCheckpoint) -> None:
+        """Close every channel created after ``cp``, newest first, coordinated across ranks.
+
+        Order: synchronize; barrier; every ``close_imports``; barrier; every
+        ``free_exports``; barrier. An eager channel created after ``cp`` is dropped too, and
+        the next eager use creates a new one. Collective: every rank must call it.
+
+        Requires: every graph that references those channels is already destroyed and the
+        device synchronized; no capture is active on this pool; ``cp`` came from this pool
+        and was neither used nor invalidated by an earlier rollback. A refused call changes
+        nothing. Guarantees: ``cp`` and every checkpoint taken after it become unusable.
+        """
+        with self._lock:
+            self._check_rollback(cp)
+            doomed = self._channels[cp.num_channels :]
+            del self._channels[cp.num_channels :]
+            if self._eager is not None and any(ch is self._eager for ch in doomed):
+                self._eager = None
+            self._live_tokens = {t for t in self._live_tokens if t < cp.token}
+            self._close_coordinated(doomed[::-1])
+
+    def close(self) -> None:
+        """Close every channel, newest first, in the coordinated order of :meth:`rollback`.
+
+        Requires: as for :meth:`rollback`. Guarantees: the pool refuses further use;
+        a second call does nothing.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._check_idle("close()")
+            doomed = self._channels[::-1]
+            self._channels.clear()
+            self._eager = None
+            self._live_tokens.clear()
+            self._closed = True
+            self._close_coordinated(doomed)
+
+    def _create(self, owner: str) -> Channel:
+        if _stream_is_capturing():
+            raise RuntimeError(
+                f"ChannelPool {self._name!r}: cannot create a channel for {owner!r} while the "
+                f"current stream is capturing a CUDA graph; {_FIX_CAPTURE_ORDER}"
+            )
+        with self._lock:
+            self._check_open()
+            channel_id = self._next_channel_id
+            channel = self._create_channel(channel_id, owner)
+            self._next_channel_id += 1
+            self._channels.append(channel)
+            return channel
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"ChannelPool {self._name!r} is closed; create a new pool")
+
+    def _check_idle(self, what: str) -> None:
+        self._check_open()
+        if self._num_active_captures:
+            raise RuntimeError(
+                f"ChannelPool {self._name!r}: {what} refused while "
+                f"{self._num_active_captures} capture block(s) are active; a captured graph "
+                f"may still bind these channels. Call it after leaving every pool.capture()"
+            )
+
+    def _check_rollback(self, cp: ChannelCheckpoint) -> None:
+        if cp.pool_serial != self._serial:
+            raise ValueError(
+                f"ChannelPool {self._name!r}: checkpoint belongs to pool {cp.pool_name!r} "
+                f"(serial {cp.pool_serial}), not to pool {self._name!r} (serial "
+                f"{self._serial}); roll it back on the pool that created it"
+            )
+        self._check_idle("rollback()")
+        if cp.token not in self._live_tokens:
+            raise RuntimeError(
+                f"ChannelPool {self._name!r}: checkpoint {cp.token} was already used or "
+                f"invalidated by an earlier rollback; take a new checkpoint()"
+            )
+
+    def _close_coordinated(self, newest_first: list[Channel]) -> None:
+        if not newest_first:
+            return
+        # No rank may unmap or free while a peer's kernel can still touch the memory, and no
+        # rank may free its exports while a peer still maps them; the barriers order that.
+        self._synchronize()
+        self._barrier()
+        for channel in newest_first:
+            channel.close_imports()
+        self._barrier()
+        for channel in newest_first:
+            channel.free_exports()
+        self._barrier()
+
+
+def checkpoint_pools(pools: Iterable[ChannelPool]) -> PoolsCheckpoint:
+    """Checkpoint each distinct pool once, in first-seen order (groups may share a pool).
+
+    Requires: no capture is active on any of them. A refused call leaves earlier pools'
+    checkpoints unused, which is harmless.
+    """
+    distinct: dict[int, ChannelPool] = {}
+    for pool in pools:
+        distinct.setdefault(id(pool), pool)
+    ordered = tuple(distinct.values())
+    return PoolsCheckpoint(ordered, tuple(pool.checkpoint() for pool in ordered))
+
+
+def rollback_pools(cp: PoolsCheckpoint) -> None:
+    """Roll back every pool of ``cp`` in reverse checkpoint order.
+
+    Requires: as for :meth:`ChannelPool.rollback`, on every pool. All pools are checked
+    before any is rolled back, so a refused call changes nothing.
+    """
+    pairs = list(zip(cp.pools, cp.checkpoints, strict=True))
+    for pool, pool_cp in pairs:
+        with pool._lock:
+            pool._check_rollback(pool_cp)
+    for pool, pool_cp in reversed(pairs):
+        pool.rollback(pool_cp)
+
+
+class DeviceChannel:
+    """Single-process channel: a ``uint8`` buffer and ``int32`` signal slots on one device.
+
+    Owns: both tensors, until :meth:`free_exports`. Kernels captured with them borrow them.
+    Using the channel after :meth:`close_imports` or :meth:`free_exports` raises
+    RuntimeError. Creating one allocates, so it is not legal during capture.
+    """
+
+    def __init__(
+        self,
+        channel_id: int,
+        owner: str,
+        nbytes: int,
+        device: torch.device | str | int,
+        num_signal_slots: int = 64,
+    ) -> None:
+        _check_sizes(nbytes, num_signal_slots)
+        self.channel_id = channel_id
+        self.owner = owner
+        self._buffer: torch.Tensor | None = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self._signal: torch.Tensor | None = torch.zeros(
+            num_signal_slots, dtype=torch.int32, device=device
+        )
+        self._closed = False
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self._live(self._buffer, "buffer")
+
+    @property
+    def signal(self) -> torch.Tensor:
+        return self._live(self._signal, "signal")
+
+    def close_imports(self) -> None:
+        # One process imports nothing; only mark the channel unusable.
+        self._closed = True
+
+    def free_exports(self) -> None:
+        self._closed = True
+        self._buffer = None
+        self._signal = None
+
+    def _live(self, tensor: torch.Tensor | None, what: str) -> torch.Tensor:
+        if self._closed or tensor is None:
+            raise RuntimeError(
+                f"channel {self.channel_id} ({self.owner!r}) is closed; {what} is gone. "
+                f"Use pool.current() or a new pool.capture() for a live channel"
+            )
+        return tensor
+
+
+def device_channel_factory(
+    nbytes: int, device: torch.device | str | int, num_signal_slots: int = 64
+) -> CreateChannelFn:
+    """Return a ``create_channel`` for :class:`ChannelPool` making :class:`DeviceChannel`."""
+    _check_sizes(nbytes, num_signal_slots)
+
+    def create_channel(channel_id: int, owner: str) -> Channel:
+        return DeviceChannel(channel_id, owner, nbytes, device, num_signal_slots)
+
+    return create_channel
