@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Runs the GPU benchmarks (bench/*.py) on a machine with CUDA and torch; installs nothing.
+# Results land in bench/results/ and, when $OUT is set (the device tool), in $OUT too.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+python3 bench/graph_memory.py
+if [ -n "${OUT:-}" ]; then cp bench/results/graph_memory.* "$OUT"/; fi

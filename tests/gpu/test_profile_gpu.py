@@ -1,0 +1,154 @@
+"""The disposable profile on a real GPU: accuracy, teardown and faults.
+
+Sizes are read at driver level (cudaMemGetInfo), which is what the KV cache
+competes for.
+"""
+
+import gc
+
+import pytest
+import torch
+
+from vllm_specgraph.capture import GraphRecorder
+from vllm_specgraph.demo.model import ToyGraphSet, build_toy_setup
+from vllm_specgraph.profile import OwnerGraphs, measure_captures, profile_graph_memory
+
+pytestmark = pytest.mark.gpu
+
+MIB = 1 << 20
+
+
+def _free() -> int:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info()[0]
+
+
+def _close(estimate: int, actual: int) -> bool:
+    return abs(estimate - actual) <= max(0.01 * actual, 2 * MIB)
+
+
+def _profile(setup, owners=None):
+    return profile_graph_memory(
+        owners or setup.owners(), channel_pools=[setup.channels], workspace=setup.workspace
+    )
+
+
+def _check_replays_equal_eager(setup) -> None:
+    for graph_set in (setup.target, setup.draft):
+        for bs in (1, 3, 64, 100):
+            x = torch.randn(bs, graph_set.model.config.hidden, device="cuda").bfloat16()
+            assert torch.equal(graph_set.replay(x), graph_set.run_eager(x))
+
+
+def test_profile_graph_memory_estimate_matches_production_capture():
+    setup = build_toy_setup()
+    report = _profile(setup)
+    print("\n" + report.format_table())
+    recorders = []
+    actual = measure_captures(
+        setup.owners(), torch.cuda.graph_pool_handle(), [setup.channels], recorders
+    )
+    for est, act in zip(report.owners, actual, strict=True):
+        print(
+            f"{est.owner}: estimate {est.driver_bytes / MIB:.2f} MiB, "
+            f"actual {act.driver_bytes / MIB:.2f} MiB"
+        )
+        assert act.driver_bytes > 0, "every owner's graphs cost something"
+        assert _close(est.driver_bytes, act.driver_bytes), (est, act)
+    total = sum(a.driver_bytes for a in actual)
+    assert total > 20 * MIB, "the graphs should cost something measurable"
+    assert _close(report.total_driver_bytes, total)
+    _check_replays_equal_eager(setup)
+
+
+def test_profile_graph_memory_gives_every_byte_back_and_repeats():
+    setup = build_toy_setup()
+    setup.channels.current()  # the eager channel is production state that warm-up creates
+    channels_before = setup.channels.channels
+    free_before = _free()
+    first = _profile(setup)
+    free_after = _free()
+    assert free_before - free_after - first.one_time_bytes <= 2 * MIB
+    assert first.retained_bytes <= 2 * MIB
+    second = _profile(setup)
+    assert abs(second.total_driver_bytes - first.total_driver_bytes) <= 0.01 * (
+        first.total_driver_bytes
+    )
+    assert second.retained_bytes <= 2 * MIB
+    assert free_after - _free() <= 2 * MIB
+    assert setup.channels.channels == channels_before
+
+
+def test_profile_graph_memory_fault_mid_draft_capture_restores_everything():
+    setup = build_toy_setup()
+    # A production graph that exists before the profiles, in its own graph set and pool.
+    production_pool = torch.cuda.graph_pool_handle()
+    early = ToyGraphSet(setup.target.model, [4], setup.workspace, setup.channels)
+    early_recorder = GraphRecorder(production_pool, "target", [setup.channels])
+    early.capture(early_recorder)
+    clean = _profile(setup)
+    clean_draft = measure_captures(
+        setup.owners()[1:], torch.cuda.graph_pool_handle(), [setup.channels], []
+    )
+    setup.draft.release()
+
+    channels_before = setup.channels.channels
+    lanes_before = setup.workspace.usage()
+    free_before = _free()
+    draft = setup.draft
+
+    def failing_capture(recorder):
+        draft.capture(_FailingRecorder(recorder, fail_at=3))
+
+    owners = setup.owners()
+    owners[1] = OwnerGraphs("draft", failing_capture, draft.warmup, draft.release)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        _profile(setup, owners)
+    assert setup.channels.channels == channels_before
+    assert setup.workspace.usage() == lanes_before
+    assert abs(free_before - _free()) <= 2 * MIB
+
+    # Production afterwards costs what it cost without the fault, and matches the estimate.
+    actual = measure_captures(
+        setup.owners()[1:], torch.cuda.graph_pool_handle(), [setup.channels], []
+    )
+    print(
+        f"\ndraft: estimate {clean.owners[1].driver_bytes / MIB:.2f} MiB, production "
+        f"{clean_draft[0].driver_bytes / MIB:.2f} MiB, "
+        f"after fault {actual[0].driver_bytes / MIB:.2f} MiB"
+    )
+    assert _close(clean_draft[0].driver_bytes, actual[0].driver_bytes), (clean_draft, actual)
+    x = torch.randn(5, draft.model.config.hidden, device="cuda").bfloat16()
+    assert torch.equal(draft.replay(x), draft.run_eager(x))
+    # The pool that predates the profiles takes new graphs: no use_count assertion.
+    more = ToyGraphSet(setup.target.model, [2], setup.workspace, setup.channels)
+    more.capture(early_recorder)
+    x = torch.randn(2, draft.model.config.hidden, device="cuda").bfloat16()
+    assert torch.equal(more.replay(x), more.run_eager(x))
+    assert torch.equal(early.replay(x), early.run_eager(x))
+
+
+class _FailingRecorder:
+    """Raises inside the ``fail_at``-th capture, after kernels were enqueued."""
+
+    def __init__(self, recorder, fail_at: int) -> None:
+        self.recorder, self.fail_at, self.count = recorder, fail_at, 0
+
+    def capture(self, stream=None):
+        self.count += 1
+        if self.count < self.fail_at:
+            return self.recorder.capture(stream)
+        return self._failing(stream)
+
+    def _failing(self, stream):
+        from contextlib import contextmanager
+
+        @contextmanager
+        def cm():
+            with self.recorder.capture(stream) as graph:
+                yield graph
+                raise RuntimeError("injected fault in the middle of the draft capture")
+
+        return cm()

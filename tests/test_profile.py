@@ -1,0 +1,247 @@
+"""The profile's order of operations and its error paths, on the CPU.
+
+CUDA is faked here (graphs, pools, memory readings) because this machine has
+no GPU: the fakes record events so the tests can check *when* each step runs.
+tests/gpu/test_profile_gpu.py checks the real memory behaviour on a GPU.
+"""
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+import vllm_specgraph.capture as capture_module
+from vllm_specgraph.channels import ChannelPool
+from vllm_specgraph.lanes import LaneWorkspace, current_owner
+from vllm_specgraph.profile import OwnerGraphs, profile_graph_memory
+
+
+class _FakeChannel:
+    def __init__(self, channel_id: int, owner: str, events: list) -> None:
+        self.channel_id, self.owner, self.events = channel_id, owner, events
+
+    def close_imports(self) -> None:
+        self.events.append(("close_imports", self.channel_id))
+
+    def free_exports(self) -> None:
+        self.events.append(("free_exports", self.channel_id))
+
+
+class _FakeGraph:
+    def __init__(self, events: list) -> None:
+        self.events = events
+
+    def reset(self) -> None:
+        self.events.append(("graph_reset",))
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    """Fake CUDA: each graph costs 10 MiB of driver memory until empty_cache after reset."""
+    events: list = []
+    state = {"free": 1000 << 20, "live_graphs": 0, "dead_graphs": 0, "pool": 0}
+    cuda_ns = torch.cuda
+
+    def empty_cache():
+        events.append(("empty_cache",))
+        state["free"] += state["dead_graphs"] * (10 << 20)
+        state["dead_graphs"] = 0
+
+    def graph_pool_handle():
+        state["pool"] += 1
+        events.append(("pool", state["pool"]))
+        return (0, state["pool"])
+
+    @contextmanager
+    def graph(g, pool=None, stream=None):
+        events.append(("capture_begin", pool, current_owner()))
+        yield
+        state["live_graphs"] += 1
+        state["free"] -= 10 << 20
+        events.append(("capture_end",))
+
+    class Graph(_FakeGraph):
+        def __init__(self):
+            super().__init__(events)
+            self.captured = False
+
+        def reset(self):
+            super().reset()
+            state["dead_graphs"] += 1
+
+    for name, fn in {
+        "is_available": lambda: True,
+        "is_current_stream_capturing": lambda: False,
+        "synchronize": lambda: events.append(("sync",)),
+        "empty_cache": empty_cache,
+        "mem_get_info": lambda: (state["free"], 2000 << 20),
+        "memory_reserved": lambda: 0,  # allocator level is checked on the GPU
+        "max_memory_reserved": lambda: 0,
+        "reset_peak_memory_stats": lambda: None,
+        "graph_pool_handle": graph_pool_handle,
+    }.items():
+        monkeypatch.setattr(cuda_ns, name, fn)
+    monkeypatch.setattr(capture_module.torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(capture_module.torch.cuda, "graph", graph)
+    return events, state
+
+
+def _owner(name: str, events: list, num_graphs: int = 2, fail_after: int | None = None):
+    kept: list = []
+
+    def capture(recorder):
+        for i in range(num_graphs):
+            if fail_after is not None and i == fail_after:
+                raise KeyError(f"{name} capture failed")
+            with recorder.capture():
+                kept.append(object())  # stands for a static output in the pool
+
+    def release():
+        events.append(("release", name))
+        kept.clear()
+
+    return OwnerGraphs(name, capture, warmup=lambda: events.append(("warm", name)), release=release)
+
+
+def _channel_pool(events: list) -> ChannelPool:
+    return ChannelPool(
+        "tp",
+        lambda cid, owner: _FakeChannel(cid, owner, events),
+        barrier=lambda: events.append(("barrier",)),
+        synchronize=lambda: events.append(("channel_sync",)),
+    )
+
+
+def test_profile_graph_memory_measures_each_owner_and_gives_bytes_back(cuda):
+    events, state = cuda
+    channels = _channel_pool(events)
+    report = profile_graph_memory(
+        [_owner("target", events, 3), _owner("draft", events, 2)], channel_pools=[channels]
+    )
+    assert [(o.owner, o.num_graphs, o.driver_bytes) for o in report.owners] == [
+        ("target", 3, 30 << 20),
+        ("draft", 2, 20 << 20),
+    ]
+    assert report.total_driver_bytes == 50 << 20
+    assert report.retained_bytes == 0
+    assert state["free"] == 1000 << 20
+    assert channels.num_channels == 0
+    assert "total" in report.format_table() and '"total_driver_bytes"' in report.to_json()
+
+
+def test_profile_graph_memory_captures_each_owner_in_its_lane_into_one_private_pool(cuda):
+    events, _ = cuda
+    profile_graph_memory(
+        [_owner("target", events, 1), _owner("draft", events, 1)], warmup_capture=False
+    )
+    begins = [e for e in events if e[0] == "capture_begin"]
+    assert [e[2] for e in begins] == ["target", "draft"]
+    assert len({e[1] for e in begins}) == 1
+
+
+def test_profile_graph_memory_teardown_order(cuda):
+    events, _ = cuda
+    channels = _channel_pool(events)
+    profile_graph_memory(
+        [_owner("target", events, 1), _owner("draft", events, 1)],
+        channel_pools=[channels],
+        warmup_capture=False,
+    )
+    names = [e[0] for e in events]
+    last_capture = max(i for i, n in enumerate(names) if n == "capture_end")
+    tail = names[last_capture + 1 :]
+    # graphs destroyed after a sync and before the owners drop their pool tensors;
+    # the pool released (empty_cache) before channels close; channels close last.
+    sync_i = tail.index("sync", tail.index("empty_cache"))
+    resets = [i for i, n in enumerate(tail) if n == "graph_reset"]
+    releases = [i for i, n in enumerate(tail) if n == "release"]
+    assert sync_i < min(resets) and max(resets) < min(releases)
+    closes = [i for i, n in enumerate(tail) if n == "close_imports"]
+    assert max(releases) < tail.index("empty_cache", max(releases)) < min(closes)
+    assert [e[1] for e in events if e[0] == "close_imports"] == [1, 0]  # newest first
+
+
+def test_profile_graph_memory_warmup_pass_is_disposable_and_unmeasured(cuda):
+    events, state = cuda
+    channels = _channel_pool(events)
+    report = profile_graph_memory([_owner("target", events, 2)], channel_pools=[channels])
+    names = [e[0] for e in events]
+    assert names.index("warm") < names.index("pool")
+    assert names.count("pool") == 2 and names.count("capture_begin") == 4
+    assert [o.num_graphs for o in report.owners] == [2]
+    assert report.owners[0].driver_bytes == 20 << 20
+    assert channels.num_channels == 0 and state["free"] == 1000 << 20
+
+
+def test_profile_graph_memory_without_warmup_capture_captures_once(cuda):
+    events, _ = cuda
+    profile_graph_memory([_owner("target", events, 2)], warmup_capture=False)
+    assert [e[0] for e in events].count("capture_begin") == 2
+
+
+def test_profile_graph_memory_failing_draft_restores_everything(cuda):
+    events, state = cuda
+    channels = _channel_pool(events)
+    eager = channels.current()
+    workspace = LaneWorkspace("cpu")
+    workspace.get_simultaneous(((16,), torch.float32))
+    lanes_before = workspace.usage()
+    redirected: list = []
+
+    @contextmanager
+    def redirect(pool):
+        redirected.append(("in", pool))
+        try:
+            yield
+        finally:
+            redirected.append(("out", pool))
+
+    target = _owner("target", events, 2)
+    draft = _owner("draft", events, 3, fail_after=1)
+    grow = OwnerGraphs(
+        "draft",
+        lambda rec: (workspace.get_simultaneous(((4096,), torch.float32)), draft.capture(rec)),
+        release=draft.release,
+    )
+    with pytest.raises(KeyError, match="draft capture failed"):
+        profile_graph_memory(
+            [target, grow], channel_pools=[channels], workspace=workspace, redirect_pools=redirect
+        )
+    assert state["free"] == 1000 << 20, "graph memory was not given back"
+    assert channels.channels == (eager,)
+    assert workspace.usage() == lanes_before
+    assert [r[0] for r in redirected] == ["in", "out"]
+    assert ("release", "target") in events and ("release", "draft") in events
+
+
+def test_profile_graph_memory_failing_release_keeps_original_error(cuda):
+    events, state = cuda
+
+    def bad_release():
+        raise OSError("release broke")
+
+    failing = OwnerGraphs("target", _owner("target", events, 2, fail_after=1).capture)
+    bad = OwnerGraphs("draft", lambda rec: None, release=bad_release)
+    with pytest.raises(KeyError) as info:
+        profile_graph_memory([failing, bad])
+    assert any("release broke" in note for note in info.value.__notes__)
+    assert state["free"] == 1000 << 20
+
+
+def test_profile_graph_memory_bad_owners_raise_before_touching_state(cuda):
+    events, _ = cuda
+    with pytest.raises(ValueError, match="owners is empty"):
+        profile_graph_memory([])
+    with pytest.raises(ValueError, match="must be unique"):
+        profile_graph_memory([_owner("target", events), _owner("target", events)])
+    with pytest.raises(RuntimeError, match="'encoder' has no lane"):
+        profile_graph_memory([_owner("encoder", events)], workspace=LaneWorkspace("cpu"))
+    assert events == []
+
+
+def test_profile_graph_memory_during_channel_capture_refused_and_state_kept(cuda):
+    events, _ = cuda
+    channels = _channel_pool(events)
+    with channels.capture("target"), pytest.raises(RuntimeError):
+        profile_graph_memory([_owner("target", events, 1)], channel_pools=[channels])
+    assert channels.num_channels == 1

@@ -1,0 +1,1 @@
+"""A small speculative-decoding workload built on the torch-only core."""

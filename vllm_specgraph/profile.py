@@ -1,0 +1,298 @@
+"""Disposable CUDA-graph memory profile.
+
+Before the KV cache exists, capture every owner's graphs (target, draft, ...)
+into a private pool, read what they cost at driver level, destroy them while
+the pool is still ours, give every byte back, roll back the channels they
+made, and hand back the production state exactly as it was.
+
+Order (each step's reason is at the step):
+
+1. settle (gc, sync, empty_cache); run each owner's eager warm-up, then steps
+   3-6 once unmeasured, and report what that took as a one-time process cost;
+2. baseline at driver level (``mem_get_info``) and allocator level;
+3. checkpoint channels and workspace lanes;
+4. capture each owner's graphs, each inside its own lane, into one private
+   pool (redirected into the caller's graph managers if asked); measure per owner;
+5. sync; destroy every graph while the private pool is still owned; restore
+   the lanes and production pools; release the pool (empty_cache);
+6. roll back channels; measure what is left.
+
+An exception at any step runs the same teardown and re-raises the original.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import asdict, dataclass
+
+import torch
+
+from vllm_specgraph.capture import GraphRecorder
+from vllm_specgraph.channels import ChannelPool, checkpoint_pools, rollback_pools
+from vllm_specgraph.lanes import LaneWorkspace, use_owner
+
+__all__ = [
+    "GraphMemoryReport",
+    "OwnerGraphs",
+    "OwnerMemory",
+    "measure_captures",
+    "profile_graph_memory",
+]
+
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class OwnerGraphs:
+    """What the profile needs to know about one owner's graphs.
+
+    Attributes:
+        owner: lane owner name ("target", "draft", ...); unique per profile.
+        capture: captures the owner's graphs through the recorder it is given
+            (``with recorder.capture(): ...``). Runs as ``owner``.
+        warmup: eager run(s) that load kernels and size workspaces; runs once
+            before the baseline so its cost is reported as one-time, not per graph.
+        release: drops whatever ``capture`` kept that lives in the graph pool
+            (static outputs); called in teardown, also after an error.
+    """
+
+    owner: str
+    capture: Callable[[GraphRecorder], None]
+    warmup: Callable[[], None] | None = None
+    release: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True)
+class OwnerMemory:
+    owner: str
+    num_graphs: int
+    driver_bytes: int
+    allocator_bytes: int
+
+
+@dataclass(frozen=True)
+class GraphMemoryReport:
+    """Result of :func:`profile_graph_memory`; all sizes in bytes."""
+
+    owners: tuple[OwnerMemory, ...]
+    one_time_bytes: int
+    transient_peak_bytes: int
+    retained_bytes: int
+    retained_allocator_bytes: int
+    wall_seconds: float
+
+    @property
+    def total_driver_bytes(self) -> int:
+        return sum(o.driver_bytes for o in self.owners)
+
+    @property
+    def total_allocator_bytes(self) -> int:
+        return sum(o.allocator_bytes for o in self.owners)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self) | {"total_driver_bytes": self.total_driver_bytes}, indent=2)
+
+    def format_table(self) -> str:
+        rows = [f"{'owner':<10} {'graphs':>6} {'driver MiB':>11} {'allocator MiB':>14}"]
+        for o in self.owners:
+            rows.append(
+                f"{o.owner:<10} {o.num_graphs:>6} {o.driver_bytes / _MIB:>11.2f} "
+                f"{o.allocator_bytes / _MIB:>14.2f}"
+            )
+        total_graphs = sum(o.num_graphs for o in self.owners)
+        rows.append(
+            f"{'total':<10} {total_graphs:>6} {self.total_driver_bytes / _MIB:>11.2f} "
+            f"{self.total_allocator_bytes / _MIB:>14.2f}"
+        )
+        rows.append(
+            f"one-time process cost {self.one_time_bytes / _MIB:.2f} MiB, transient peak "
+            f"{self.transient_peak_bytes / _MIB:.2f} MiB, retained after teardown "
+            f"{self.retained_bytes / _MIB:.2f} MiB (allocator "
+            f"{self.retained_allocator_bytes / _MIB:.2f} MiB), {self.wall_seconds:.2f} s"
+        )
+        return "\n".join(rows)
+
+
+PoolRedirect = Callable[[tuple[int, int]], AbstractContextManager[object]]
+"""Points the caller's graph managers at the private pool for the duration of the block."""
+
+
+def _settle() -> int:
+    """Driver-level free bytes once nothing cached or in flight distorts the reading."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info()[0]
+
+
+def _check_owners(owners: Sequence[OwnerGraphs], workspace: LaneWorkspace | None) -> None:
+    if not owners:
+        raise ValueError("owners is empty; pass at least the target's OwnerGraphs")
+    names = [o.owner for o in owners]
+    if len(set(names)) != len(names):
+        raise ValueError(f"owner names must be unique, got {names}; merge their captures")
+    if workspace is not None:
+        for name in names:
+            workspace.lane_of(name)  # raises, naming the fix, before anything is touched
+    if not torch.cuda.is_available():
+        raise RuntimeError("profile_graph_memory needs CUDA; torch sees no GPU")
+
+
+def profile_graph_memory(
+    owners: Sequence[OwnerGraphs],
+    *,
+    channel_pools: Sequence[ChannelPool] = (),
+    workspace: LaneWorkspace | None = None,
+    redirect_pools: PoolRedirect | None = None,
+    warmup_capture: bool = True,
+) -> GraphMemoryReport:
+    """Measure what each owner's CUDA graphs cost, then give every byte back.
+
+    With ``warmup_capture`` every graph is first captured and destroyed once,
+    unmeasured: the first capture in a process loads kernel modules and driver
+    state that stay with the process, and production capture will not pay them
+    again. They are reported as ``one_time_bytes``; without the warm-up pass
+    (half the time) they inflate the per-owner figures instead.
+
+    *Requires*: no capture is active; the KV cache is not yet allocated (the
+    profile measures free memory, and anything it cannot free is reported as
+    retained); capture callables keep pool tensors only where ``release`` drops them.
+
+    *Guarantees*, on success and on error: every graph captured here is
+    destroyed, the private pools are released, channels made here are closed
+    (``channel_pools`` rolled back), ``workspace`` holds the buffers it held
+    after the owners' eager warm-up, and ``redirect_pools`` has been exited
+    (production pools restored). The eager warm-up's effects (loaded kernels,
+    sized workspace lanes, eager channels) are production state and stay.
+    """
+    _check_owners(owners, workspace)
+    started = time.perf_counter()
+    free_initial = _settle()
+    for o in owners:
+        if o.warmup is not None:
+            with use_owner(o.owner):
+                o.warmup()
+    disposable = _DisposablePass(owners, channel_pools, workspace, redirect_pools)
+    if warmup_capture:
+        disposable.run()
+    free_base = _settle()
+    reserved_base = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    measured = disposable.run()
+    peak = torch.cuda.max_memory_reserved() - reserved_base
+    return GraphMemoryReport(
+        owners=tuple(measured),
+        one_time_bytes=free_initial - free_base,
+        transient_peak_bytes=peak,
+        retained_bytes=free_base - _settle(),
+        retained_allocator_bytes=torch.cuda.memory_reserved() - reserved_base,
+        wall_seconds=time.perf_counter() - started,
+    )
+
+
+class _DisposablePass:
+    """Steps 3-6 once: checkpoint, capture into a fresh private pool, destroy, restore."""
+
+    def __init__(self, owners, channel_pools, workspace, redirect_pools) -> None:
+        self.owners, self.channel_pools = owners, channel_pools
+        self.workspace, self.redirect_pools = workspace, redirect_pools
+
+    def run(self) -> list[OwnerMemory]:
+        channels_cp = checkpoint_pools(self.channel_pools)
+        lanes_cp = self.workspace.checkpoint() if self.workspace is not None else None
+        restore = _restore_steps(self.workspace, lanes_cp, channels_cp)
+        recorders: list[GraphRecorder] = []
+        try:
+            pool = torch.cuda.graph_pool_handle()
+            with self.redirect_pools(pool) if self.redirect_pools else nullcontext():
+                try:
+                    measured = measure_captures(self.owners, pool, self.channel_pools, recorders)
+                except BaseException as exc:
+                    for failure in _run_all(_destroy_steps(recorders, self.owners), quiet=True):
+                        exc.add_note(f"graph teardown also failed: {failure!r}")
+                    raise
+                _run_all(_destroy_steps(recorders, self.owners))
+        except BaseException as exc:
+            # The traceback's frames hold the failed capture's tensors, which live in
+            # the private pool: clear them or the pool cannot go back to the driver.
+            traceback.clear_frames(exc.__traceback__)
+            for failure in _run_all(restore, quiet=True):
+                exc.add_note(f"profile teardown also failed: {failure!r}")
+            raise
+        _run_all(restore)
+        return measured
+
+
+def measure_captures(
+    owners: Sequence[OwnerGraphs],
+    pool: tuple[int, int],
+    channel_pools: Sequence[ChannelPool],
+    recorders: list[GraphRecorder],
+) -> list[OwnerMemory]:
+    """Capture each owner's graphs into ``pool``, in order, and measure each owner.
+
+    Appends one :class:`GraphRecorder` per owner to ``recorders`` (the caller
+    keeps or destroys the graphs). The profile's step 4, and how production
+    capture is measured, so both follow one path. Not legal during capture.
+    """
+    measured = []
+    free_prev, reserved_prev = _settle(), torch.cuda.memory_reserved()
+    for o in owners:
+        recorders.append(GraphRecorder(pool, o.owner, channel_pools))
+        with use_owner(o.owner):
+            o.capture(recorders[-1])
+        free_now = _settle()
+        reserved_now = torch.cuda.memory_reserved()
+        measured.append(
+            OwnerMemory(
+                o.owner,
+                recorders[-1].num_graphs,
+                driver_bytes=free_prev - free_now,
+                allocator_bytes=reserved_now - reserved_prev,
+            )
+        )
+        free_prev, reserved_prev = free_now, reserved_now
+    return measured
+
+
+Step = Callable[[], object]
+
+
+def _run_all(steps: Sequence[Step], *, quiet: bool = False) -> list[BaseException]:
+    """Run every step even if some fail; raise the first failure unless ``quiet``."""
+    failures: list[BaseException] = []
+    for step in steps:
+        try:
+            step()
+        except Exception as exc:
+            failures.append(exc)
+    if failures and not quiet:
+        raise failures[0]
+    return failures
+
+
+def _destroy_steps(recorders: list[GraphRecorder], owners: Sequence[OwnerGraphs]) -> list[Step]:
+    """Step 5, while the private pool is still ours: graphs (once their work is done),
+    then what the owners kept in the pool."""
+    steps: list[Step] = [torch.cuda.synchronize]
+    steps += [recorder.reset for recorder in recorders]
+    steps += [o.release for o in owners if o.release is not None]
+    steps.append(recorders.clear)
+    return steps
+
+
+def _restore_steps(workspace, lanes_cp, channels_cp) -> list[Step]:
+    """Steps 5-6 after the graphs are gone: lanes (growth since the checkpoint may
+    live in the private pool), release the pool, then channels (their contract:
+    every graph using them is destroyed and synchronised)."""
+    steps: list[Step] = []
+    if workspace is not None:
+        steps.append(lambda: workspace.rollback(lanes_cp))
+    steps.append(_settle)
+    steps.append(lambda: rollback_pools(channels_cp))
+    return steps
