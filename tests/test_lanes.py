@@ -2,6 +2,7 @@
 
 import asyncio
 import threading
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -243,7 +244,7 @@ def test_get_persistent_new_key_after_lock_raises():
     ws.get_persistent("old", (4,), torch.int32)
     ws.lock()
     assert ws.get_persistent("old", (4,), torch.int32).numel() == 4
-    with pytest.raises(WorkspaceLockedError, match="new persistent 'new' of 16 bytes"):
+    with pytest.raises(WorkspaceLockedError, match=r"new persistent .*'new'.*owner='target'"):
         ws.get_persistent("new", (4,), torch.int32)
 
 
@@ -267,3 +268,37 @@ def test_rollback_foreign_checkpoint_raises_value_error():
     a, b = LaneWorkspace("cpu"), LaneWorkspace("cpu")
     with pytest.raises(ValueError, match="another LaneWorkspace"):
         a.rollback(b.checkpoint())
+
+
+def test_get_persistent_resource_factory_called_once_per_slot():
+    ws = LaneWorkspace("cpu", num_ubatches=2)
+    calls = []
+
+    def factory():
+        calls.append(current_owner())
+        return {"plan": len(calls)}
+
+    first = ws.get_persistent_resource("plan", factory)
+    assert ws.get_persistent_resource("plan", factory) is first
+    with use_owner("draft"):
+        assert ws.get_persistent_resource("plan", factory) is not first
+    assert ws.get_persistent_resource("plan", factory, ubatch=1) is not first
+    assert calls == ["target", "draft", "target"]
+    ws.lock()
+    with pytest.raises(WorkspaceLockedError, match=r"'other'.*lane=0, ubatch=0"):
+        ws.get_persistent_resource("other", factory)
+
+
+def test_alloc_context_wraps_every_allocation():
+    entered = []
+
+    @contextmanager
+    def alloc_context():
+        entered.append("in")
+        yield
+
+    ws = LaneWorkspace("cpu", alloc_context=alloc_context)
+    ws.get_simultaneous(((16,), torch.float32))
+    ws.get_simultaneous(((8,), torch.float32))  # fits: no allocation
+    ws.get_persistent("k", (2,), torch.int32)
+    assert entered == ["in", "in"]

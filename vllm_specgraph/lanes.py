@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import contextvars
 import sys
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from math import prod
+from typing import TypeVar
 
 import torch
 
@@ -45,6 +46,8 @@ ALIGNMENT_BYTES = 256
 
 DEFAULT_OWNER_LANES: Mapping[str, int] = {"target": 0, "draft": 1}
 """Target runs in lane 0; every speculator phase (load, propose, capture) in lane 1."""
+
+T = TypeVar("T")
 
 Owner = str | int
 """An owner name, or a lane index chosen directly (vLLM's ``use_workspace_lane``)."""
@@ -117,14 +120,14 @@ class LaneCheckpoint:
 class _SlotState:
     buffer: torch.Tensor | None
     retired: tuple[torch.Tensor, ...]
-    persistent: tuple[tuple[str, torch.Tensor], ...]
+    persistent: tuple[tuple[Hashable, object], ...]
 
 
 @dataclass
 class _Slot:
     buffer: torch.Tensor | None = None
     retired: list[torch.Tensor] = field(default_factory=list)
-    persistent: dict[str, torch.Tensor] = field(default_factory=dict)
+    persistent: dict[Hashable, object] = field(default_factory=dict)
 
     def state(self) -> _SlotState:
         return _SlotState(self.buffer, tuple(self.retired), tuple(self.persistent.items()))
@@ -132,10 +135,6 @@ class _Slot:
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
-
-
-def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    return prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
 def _caller_location() -> str:
@@ -156,6 +155,8 @@ class LaneWorkspace:
         owner_lanes: owner name -> lane. Several owners may share a lane (an
             ``{"target": 0, "draft": 0}`` map reproduces upstream's single lane).
         num_lanes: lanes to configure; defaults to the highest mapped lane + 1.
+        alloc_context: entered around every buffer allocation (vLLM's sleep
+            mode allocates workspaces from its own memory pool this way).
 
     *Owns*: every buffer, retired buffer and persistent tensor it hands views of.
     *Borrows*: nothing. Callers hold views only while the workspace lives.
@@ -171,6 +172,7 @@ class LaneWorkspace:
         num_ubatches: int = 1,
         owner_lanes: Mapping[str, int] = DEFAULT_OWNER_LANES,
         num_lanes: int | None = None,
+        alloc_context: Callable[[], AbstractContextManager[object]] = nullcontext,
     ) -> None:
         if num_ubatches < 1:
             raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
@@ -194,6 +196,7 @@ class LaneWorkspace:
         self.num_ubatches = num_ubatches
         self.num_lanes = num_lanes
         self.owner_lanes: Mapping[str, int] = dict(owner_lanes)
+        self._alloc_context = alloc_context
         self._slots = {(u, lane): _Slot() for u in range(num_ubatches) for lane in range(num_lanes)}
         self._locked = False
 
@@ -239,65 +242,86 @@ class LaneWorkspace:
         same memory. Grows the buffer if needed (see class notes); legal during
         capture only when no growth is needed, since growth allocates.
         """
-        sizes = [_aligned(_nbytes(shape, dtype)) for shape, dtype in shapes_and_dtypes]
+        nbytes = [prod(shape) * dtype.itemsize for shape, dtype in shapes_and_dtypes]
+        starts, end = [], 0
+        for n in nbytes:
+            starts.append(end)
+            end += _aligned(n)
         slot, owner, lane = self._slot(ubatch)
-        required = sum(sizes)
-        buffer = self._ensure_capacity(slot, required, owner, lane, ubatch)
-        base = (-buffer.data_ptr()) % ALIGNMENT_BYTES
-        views, offset = [], base
-        for (shape, dtype), size in zip(shapes_and_dtypes, sizes, strict=True):
-            nbytes = _nbytes(shape, dtype)
-            views.append(buffer[offset : offset + nbytes].view(dtype).view(tuple(shape)))
-            offset += size
-        return views
+        buffer = slot.buffer
+        if buffer is None or buffer.numel() < end:
+            buffer = self._grow(slot, end, owner, lane, ubatch)
+        return [
+            buffer[start : start + n].view(dtype).view(shape)
+            for (shape, dtype), start, n in zip(shapes_and_dtypes, starts, nbytes, strict=True)
+        ]
 
-    def _ensure_capacity(
+    def _grow(
         self, slot: _Slot, required: int, owner: Owner, lane: int, ubatch: int
     ) -> torch.Tensor:
-        held = 0 if slot.buffer is None else slot.buffer.numel() - (ALIGNMENT_BYTES - 1)
-        if slot.buffer is not None and held >= required:
-            return slot.buffer
+        held = 0 if slot.buffer is None else slot.buffer.numel()
         if self._locked:
             raise WorkspaceLockedError(
                 f"workspace is locked but {_caller_location()} needs {required} bytes "
                 f"(owner={owner!r}, lane={lane}, ubatch={ubatch}, held={held} bytes); "
                 "size the workspace during warm-up, before lock()"
             )
-        # Slack lets the first view start aligned wherever the allocator placed it.
-        new = torch.empty(required + ALIGNMENT_BYTES - 1, dtype=torch.uint8, device=self.device)
+        with self._alloc_context():
+            storage = torch.empty(
+                required + ALIGNMENT_BYTES - 1, dtype=torch.uint8, device=self.device
+            )
+        # Keep only the aligned part, so every view's offset is a multiple of the
+        # alignment; the slice keeps the whole allocation alive.
+        start = (-storage.data_ptr()) % ALIGNMENT_BYTES
         if slot.buffer is not None:
             # A captured graph may still point into the old buffer: keep it.
             slot.retired.append(slot.buffer)
-        slot.buffer = new
-        return new
+        slot.buffer = storage[start : start + required]
+        return slot.buffer
 
-    def get_persistent(
-        self, key: str, shape: Sequence[int], dtype: torch.dtype, *, ubatch: int = 0
-    ) -> torch.Tensor:
-        """A zero-initialised tensor kept under ``key`` for the current (ubatch, lane).
+    def get_persistent_resource(
+        self, key: Hashable, factory: Callable[[], T], *, ubatch: int = 0
+    ) -> T:
+        """The object kept under ``key`` for the current (ubatch, lane); made by ``factory``.
 
-        The same key returns the same tensor; asking for it with another shape or
-        dtype raises ValueError. A new key after :meth:`lock` raises
-        :class:`WorkspaceLockedError`.
+        The first request calls ``factory`` (inside ``alloc_context``); later ones
+        return the same object. A new key after :meth:`lock` raises
+        :class:`WorkspaceLockedError` naming the caller, owner, lane and ubatch.
         """
         slot, owner, lane = self._slot(ubatch)
-        tensor = slot.persistent.get(key)
-        if tensor is not None:
-            if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
-                raise ValueError(
-                    f"persistent {key!r} (owner={owner!r}, lane={lane}) exists as "
-                    f"{tuple(tensor.shape)}/{tensor.dtype}, asked for {tuple(shape)}/{dtype}; "
-                    "use a new key for a new shape"
-                )
-            return tensor
+        if key in slot.persistent:
+            return slot.persistent[key]
         if self._locked:
             raise WorkspaceLockedError(
                 f"workspace is locked but {_caller_location()} asks for new persistent "
-                f"{key!r} of {_nbytes(shape, dtype)} bytes (owner={owner!r}, lane={lane}, "
-                f"ubatch={ubatch}, held={self._held_bytes(lane)} bytes); create it before lock()"
+                f"{key!r} (owner={owner!r}, lane={lane}, ubatch={ubatch}, "
+                f"held={self._held_bytes(lane)} bytes); create it during warm-up, before lock()"
             )
-        tensor = torch.zeros(tuple(shape), dtype=dtype, device=self.device)
-        slot.persistent[key] = tensor
+        with self._alloc_context():
+            resource = factory()
+        slot.persistent[key] = resource
+        return resource
+
+    def get_persistent(
+        self, key: Hashable, shape: Sequence[int], dtype: torch.dtype, *, ubatch: int = 0
+    ) -> torch.Tensor:
+        """A zero-initialised tensor kept under ``key`` for the current (ubatch, lane).
+
+        Same rules as :meth:`get_persistent_resource`; asking for an existing key
+        with another shape or dtype raises ValueError.
+        """
+        shape = tuple(shape)
+        tensor = self.get_persistent_resource(
+            (torch.Tensor, key),
+            lambda: torch.zeros(shape, dtype=dtype, device=self.device),
+            ubatch=ubatch,
+        )
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise ValueError(
+                f"persistent {key!r} (owner={current_owner()!r}, ubatch={ubatch}) exists as "
+                f"{tuple(tensor.shape)}/{tensor.dtype}, asked for {shape}/{dtype}; "
+                "use a new key for a new shape"
+            )
         return tensor
 
     def _held_bytes(self, lane: int) -> int:
@@ -329,7 +353,7 @@ class LaneWorkspace:
         """
         released = 0
         for slot in self._slots.values():
-            released += sum(t.numel() for t in slot.retired)
+            released += sum(_allocation_bytes(t) for t in slot.retired)
             slot.retired.clear()
         return released
 
@@ -369,7 +393,16 @@ class LaneWorkspace:
 
 
 def _slot_bytes(slot: _Slot) -> tuple[int, int, int]:
-    live = 0 if slot.buffer is None else slot.buffer.numel()
-    retired = sum(t.numel() for t in slot.retired)
-    persistent = sum(t.numel() * t.element_size() for t in slot.persistent.values())
+    live = 0 if slot.buffer is None else _allocation_bytes(slot.buffer)
+    retired = sum(_allocation_bytes(t) for t in slot.retired)
+    persistent = sum(
+        t.numel() * t.element_size()
+        for t in slot.persistent.values()
+        if isinstance(t, torch.Tensor)
+    )
     return live, retired, persistent
+
+
+def _allocation_bytes(buffer: torch.Tensor) -> int:
+    """Bytes of the allocation behind an aligned buffer slice (slack included)."""
+    return buffer.untyped_storage().nbytes()

@@ -138,7 +138,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print(
             f"vllm-specgraph self-check needs a CUDA GPU; torch {torch.__version__} sees none. "
-            "Run it on a machine with an NVIDIA GPU (scripts/gpu-tests.sh).",
+            "Run `make demo` on a machine with an NVIDIA GPU and torch.",
             file=sys.stderr,
         )
         return 2
