@@ -245,3 +245,11 @@ def test_profile_graph_memory_during_channel_capture_refused_and_state_kept(cuda
     with channels.capture("target"), pytest.raises(RuntimeError):
         profile_graph_memory([_owner("target", events, 1)], channel_pools=[channels])
     assert channels.num_channels == 1
+
+
+def test_profile_graph_memory_inside_stream_capture_refused(cuda, monkeypatch):
+    events, _ = cuda
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="call it before capture"):
+        profile_graph_memory([_owner("target", events, 1)])
+    assert events == []

@@ -141,6 +141,11 @@ def _check_owners(owners: Sequence[OwnerGraphs], workspace: LaneWorkspace | None
             workspace.lane_of(name)  # raises, naming the fix, before anything is touched
     if not torch.cuda.is_available():
         raise RuntimeError("profile_graph_memory needs CUDA; torch sees no GPU")
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "profile_graph_memory was called while the current stream is capturing a CUDA "
+            "graph; call it before capture, when the engine sizes its KV cache"
+        )
 
 
 def profile_graph_memory(

@@ -152,3 +152,31 @@ class _FailingRecorder:
                 raise RuntimeError("injected fault in the middle of the draft capture")
 
         return cm()
+
+
+def test_profile_graph_memory_oom_inside_draft_capture_restores_everything():
+    # Last in the file: an allocation failing inside a live capture is the harshest fault.
+    setup = build_toy_setup()
+    _profile(setup)
+    channels_before = setup.channels.channels
+    lanes_before = setup.workspace.usage()
+    free_before = _free()
+    draft = setup.draft
+    total = torch.cuda.mem_get_info()[1]
+
+    def capture_then_oom(recorder):
+        draft.capture(recorder)
+        with recorder.capture():
+            torch.empty(2 * total, dtype=torch.uint8, device="cuda")
+
+    owners = setup.owners()
+    owners[1] = OwnerGraphs("draft", capture_then_oom, draft.warmup, draft.release)
+    with pytest.raises(torch.OutOfMemoryError):
+        _profile(setup, owners)
+    assert setup.channels.channels == channels_before
+    assert setup.workspace.usage() == lanes_before
+    assert abs(free_before - _free()) <= 2 * MIB
+    recorders = []
+    measure_captures(setup.owners(), torch.cuda.graph_pool_handle(), [setup.channels], recorders)
+    x = torch.randn(7, draft.model.config.hidden, device="cuda").bfloat16()
+    assert torch.equal(draft.replay(x), draft.run_eager(x))
