@@ -113,7 +113,6 @@ class LaneCheckpoint:
 
     workspace_id: int
     slots: tuple[tuple[tuple[int, int], _SlotState], ...]
-    token: object = field(default_factory=object, compare=False)
 
 
 @dataclass(frozen=True)
