@@ -33,8 +33,13 @@ from dataclasses import asdict, dataclass
 import torch
 
 from vllm_specgraph.capture import GraphRecorder
-from vllm_specgraph.channels import ChannelPool, checkpoint_pools, rollback_pools
-from vllm_specgraph.lanes import LaneWorkspace, use_owner
+from vllm_specgraph.channels import (
+    ChannelPool,
+    PoolsCheckpoint,
+    checkpoint_pools,
+    rollback_pools,
+)
+from vllm_specgraph.lanes import LaneCheckpoint, LaneWorkspace, use_owner
 
 __all__ = [
     "GraphMemoryReport",
@@ -203,7 +208,13 @@ def profile_graph_memory(
 class _DisposablePass:
     """Steps 3-6 once: checkpoint, capture into a fresh private pool, destroy, restore."""
 
-    def __init__(self, owners, channel_pools, workspace, redirect_pools) -> None:
+    def __init__(
+        self,
+        owners: Sequence[OwnerGraphs],
+        channel_pools: Sequence[ChannelPool],
+        workspace: LaneWorkspace | None,
+        redirect_pools: PoolRedirect | None,
+    ) -> None:
         self.owners, self.channel_pools = owners, channel_pools
         self.workspace, self.redirect_pools = workspace, redirect_pools
 
@@ -291,7 +302,11 @@ def _destroy_steps(recorders: list[GraphRecorder], owners: Sequence[OwnerGraphs]
     return steps
 
 
-def _restore_steps(workspace, lanes_cp, channels_cp) -> list[Step]:
+def _restore_steps(
+    workspace: LaneWorkspace | None,
+    lanes_cp: LaneCheckpoint | None,
+    channels_cp: PoolsCheckpoint,
+) -> list[Step]:
     """Steps 5-6 after the graphs are gone: lanes (growth since the checkpoint may
     live in the private pool), release the pool, then channels (their contract:
     every graph using them is destroyed and synchronised)."""
