@@ -35,11 +35,23 @@ def _profile(setup, owners=None):
     )
 
 
+def _padded_eager(graph_set, x: torch.Tensor) -> torch.Tensor:
+    """Eager on the padded batch the replay runs: same shapes, same kernels, same bits."""
+    padded_bs = min(b for b in graph_set.batch_sizes if b >= x.shape[0])
+    padded = torch.zeros(padded_bs, x.shape[1], dtype=x.dtype, device=x.device)
+    padded[: x.shape[0]] = x
+    return graph_set.run_eager(padded)[: x.shape[0]]
+
+
+def _assert_replay_equals_eager(graph_set, bs: int) -> None:
+    x = torch.randn(bs, graph_set.model.config.hidden, device="cuda").bfloat16()
+    assert torch.equal(graph_set.replay(x), _padded_eager(graph_set, x))
+
+
 def _check_replays_equal_eager(setup) -> None:
     for graph_set in (setup.target, setup.draft):
         for bs in (1, 3, 64, 100):
-            x = torch.randn(bs, graph_set.model.config.hidden, device="cuda").bfloat16()
-            assert torch.equal(graph_set.replay(x), graph_set.run_eager(x))
+            _assert_replay_equals_eager(graph_set, bs)
 
 
 def test_profile_graph_memory_estimate_matches_production_capture():
@@ -120,14 +132,12 @@ def test_profile_graph_memory_fault_mid_draft_capture_restores_everything():
         f"after fault {actual[0].driver_bytes / MIB:.2f} MiB"
     )
     assert _close(clean_draft[0].driver_bytes, actual[0].driver_bytes), (clean_draft, actual)
-    x = torch.randn(5, draft.model.config.hidden, device="cuda").bfloat16()
-    assert torch.equal(draft.replay(x), draft.run_eager(x))
+    _assert_replay_equals_eager(draft, 5)
     # The pool that predates the profiles takes new graphs: no use_count assertion.
     more = ToyGraphSet(setup.target.model, [2], setup.workspace, setup.channels)
     more.capture(early_recorder)
-    x = torch.randn(2, draft.model.config.hidden, device="cuda").bfloat16()
-    assert torch.equal(more.replay(x), more.run_eager(x))
-    assert torch.equal(early.replay(x), early.run_eager(x))
+    _assert_replay_equals_eager(more, 2)
+    _assert_replay_equals_eager(early, 2)
 
 
 class _FailingRecorder:
@@ -167,6 +177,7 @@ def test_profile_graph_memory_oom_inside_draft_capture_restores_everything():
     def capture_then_oom(recorder):
         draft.capture(recorder)
         with recorder.capture():
+            draft.run_eager(torch.zeros(4, draft.model.config.hidden, device="cuda").bfloat16())
             torch.empty(2 * total, dtype=torch.uint8, device="cuda")
 
     owners = setup.owners()
@@ -178,5 +189,4 @@ def test_profile_graph_memory_oom_inside_draft_capture_restores_everything():
     assert abs(free_before - _free()) <= 2 * MIB
     recorders = []
     measure_captures(setup.owners(), torch.cuda.graph_pool_handle(), [setup.channels], recorders)
-    x = torch.randn(7, draft.model.config.hidden, device="cuda").bfloat16()
-    assert torch.equal(draft.replay(x), draft.run_eager(x))
+    _assert_replay_equals_eager(draft, 7)
