@@ -45,7 +45,11 @@ def _padded_eager(graph_set, x: torch.Tensor) -> torch.Tensor:
 
 def _assert_replay_equals_eager(graph_set, bs: int) -> None:
     x = torch.randn(bs, graph_set.model.config.hidden, device="cuda").bfloat16()
-    assert torch.equal(graph_set.replay(x), _padded_eager(graph_set, x))
+    # cuBLAS may choose another algorithm for some shapes under capture, so the
+    # last bf16 bits can differ; a graph reading a wrong or stale buffer is off by O(1).
+    torch.testing.assert_close(
+        graph_set.replay(x), _padded_eager(graph_set, x), rtol=2e-2, atol=2e-2
+    )
 
 
 def _check_replays_equal_eager(setup) -> None:
