@@ -45,11 +45,13 @@ def _padded_eager(graph_set, x: torch.Tensor) -> torch.Tensor:
 
 def _assert_replay_equals_eager(graph_set, bs: int) -> None:
     x = torch.randn(bs, graph_set.model.config.hidden, device="cuda").bfloat16()
-    # cuBLAS may choose another algorithm for some shapes under capture, so the
-    # last bf16 bits can differ; a graph reading a wrong or stale buffer is off by O(1).
-    torch.testing.assert_close(
-        graph_set.replay(x), _padded_eager(graph_set, x), rtol=2e-2, atol=2e-2
-    )
+    replayed, eager = graph_set.replay(x).float(), _padded_eager(graph_set, x).float()
+    # Under capture cuBLAS may pick another algorithm for some shapes; through 8 bf16
+    # layers with ReLU that flips a few activations (seen: 0.6 % of elements, relative
+    # error ~1e-3). A graph reading a stale or foreign buffer is off by O(1). The lane
+    # self-check (small shapes) asserts bit-exact replays.
+    relative_error = ((replayed - eager).norm() / eager.norm()).item()
+    assert relative_error < 1e-2, f"batch {bs}: relative error {relative_error:.2e}"
 
 
 def _check_replays_equal_eager(setup) -> None:
