@@ -11,10 +11,7 @@ import torch
 
 from vllm_specgraph.channels import Channel, ChannelPool, device_channel_factory
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu
 
 _N = 4096  # float32 elements each step stages in its channel buffer
 _CHANNEL_BYTES = _N * 4
