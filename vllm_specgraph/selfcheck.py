@@ -28,7 +28,7 @@ class LaneSelfcheckReport:
     iterations: int
     mismatches: int
     max_abs_diff: float
-    retired_bytes_during_capture: int
+    draft_retired_bytes: int  # outgrown draft-lane buffers kept for the graphs that view them
     lanes_overlap: bool
     shared_lane_overlap: bool
 
@@ -55,80 +55,106 @@ class _Mlp:
         return scratch @ self.down, scratch.data_ptr()
 
 
-def _capture(fn, x: torch.Tensor, workspace: LaneWorkspace, pool) -> tuple:
+@dataclass
+class _Captured:
+    """One captured graph, its static input and output, and the scratch span it baked in."""
+
+    graph: torch.cuda.CUDAGraph
+    model: _Mlp
+    x: torch.Tensor
+    out: torch.Tensor
+    scratch_span: tuple[int, int]
+
+
+def _capture(
+    model: _Mlp, x: torch.Tensor, workspace: LaneWorkspace, pool: tuple[int, int]
+) -> _Captured:
     """Warm up on a side stream (which may grow the lane), then capture."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn(x, workspace)
+        model(x, workspace)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
-        out, scratch_ptr = fn(x, workspace)
-    scratch_bytes = x.shape[0] * fn.up.shape[1] * 2
-    return graph, out, (scratch_ptr, scratch_ptr + scratch_bytes)
+        out, scratch_ptr = model(x, workspace)
+    scratch_bytes = x.shape[0] * model.up.shape[1] * x.element_size()
+    return _Captured(graph, model, x, out, (scratch_ptr, scratch_ptr + scratch_bytes))
 
 
-def _capture_all(owner_lanes, device: torch.device, seed: int):
+def _capture_all(
+    owner_lanes: dict[str, int], device: torch.device, seed: int
+) -> tuple[dict[str, _Captured], LaneWorkspace]:
     generator = torch.Generator(device=device).manual_seed(seed)
     target, draft = _Mlp(4, generator, device), _Mlp(2, generator, device)
     workspace = LaneWorkspace(device, owner_lanes=owner_lanes)
     pool = torch.cuda.graph_pool_handle()
-    # (name, model, owner, batch): the second draft graph needs more scratch than
-    # the first one, so the draft lane grows after two graphs already hold views.
-    plan = [("target", target, "target", 32), ("draft-small", draft, "draft", 8)]
-    plan.append(("draft-large", draft, "draft", 64))
-    graphs = {}
+    # The second draft graph needs more scratch than the first one, so the draft
+    # lane grows after two graphs already hold views of it.
+    plan = [
+        ("target", target, "target", 32),
+        ("draft-small", draft, "draft", 8),
+        ("draft-large", draft, "draft", 64),
+    ]
+    captured = {}
     for name, model, owner, batch in plan:
         x = torch.zeros(batch, _HIDDEN, dtype=torch.bfloat16, device=device)
         with use_owner(owner):
-            graph, out, span = _capture(model, x, workspace, pool)
-        graphs[name] = (graph, model, owner, x, out, span)
-    return graphs, workspace
+            captured[name] = _capture(model, x, workspace, pool)
+    return captured, workspace
 
 
 def _spans_overlap(spans: list[tuple[int, int]]) -> bool:
     return any(a[0] < b[1] and b[0] < a[1] for i, a in enumerate(spans) for b in spans[i + 1 :])
 
 
-def run_lane_selfcheck(iterations: int = 100, seed: int = 0) -> LaneSelfcheckReport:
-    """Run the check on the current CUDA device; see the module docstring."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    graphs, workspace = _capture_all(DEFAULT_OWNER_LANES, device, seed)
-    retired = workspace.usage()["draft"].retired_bytes
-    target_span = graphs["target"][5]
-    draft_spans = [graphs[n][5] for n in ("draft-small", "draft-large")]
-    lanes_overlap = any(_spans_overlap([target_span, s]) for s in draft_spans)
-
+def _replay_interleaved(
+    graphs: dict[str, _Captured], iterations: int, seed: int, device: torch.device
+) -> tuple[int, float]:
+    """Fresh random inputs each step, replay order rotated; compare with eager bit for bit."""
     reference_ws = LaneWorkspace(device)
-    generator = torch.Generator(device=device).manual_seed(seed + 1)
-    order = ["target", "draft-small", "draft-large"]
+    generator = torch.Generator(device=device).manual_seed(seed)
+    order = list(graphs)
     mismatches, max_diff = 0, 0.0
     for step in range(iterations):
         expected = {}
-        for name in order:
-            _, model, _, x, _, _ = graphs[name]
-            x.copy_(torch.randn(x.shape, generator=generator, device=device))
-            expected[name] = model(x, reference_ws)[0]
-        for name in order[step % 3 :] + order[: step % 3]:  # rotate the replay order
-            graphs[name][0].replay()
-        for name in order:
-            out = graphs[name][4]
-            if not torch.equal(out, expected[name]):
+        for name, g in graphs.items():
+            g.x.copy_(torch.randn(g.x.shape, generator=generator, device=device))
+            expected[name] = g.model(g.x, reference_ws)[0]
+        for name in order[step % 3 :] + order[: step % 3]:
+            graphs[name].graph.replay()
+        for name, g in graphs.items():
+            if not torch.equal(g.out, expected[name]):
                 mismatches += 1
-                max_diff = max(max_diff, (out.float() - expected[name].float()).abs().max().item())
+                diff = (g.out.float() - expected[name].float()).abs().max().item()
+                max_diff = max(max_diff, diff)
     torch.cuda.synchronize()
+    return mismatches, max_diff
+
+
+def run_lane_selfcheck(iterations: int = 100, seed: int = 0) -> LaneSelfcheckReport:
+    """Run the check on the current CUDA device; see the module docstring."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    graphs, workspace = _capture_all(dict(DEFAULT_OWNER_LANES), device, seed)
+    retired = workspace.usage()["draft"].retired_bytes
+    target_span = graphs["target"].scratch_span
+    lanes_overlap = any(
+        _spans_overlap([target_span, graphs[n].scratch_span])
+        for n in ("draft-small", "draft-large")
+    )
+    mismatches, max_diff = _replay_interleaved(graphs, iterations, seed + 1, device)
 
     shared, _ = _capture_all({"target": 0, "draft": 0}, device, seed)
-    shared_spans = [shared[n][5] for n in order]
-    shared_overlap = _spans_overlap(shared_spans[:2])
+    shared_overlap = _spans_overlap(
+        [shared["target"].scratch_span, shared["draft-small"].scratch_span]
+    )
     for g in (*graphs.values(), *shared.values()):
-        g[0].reset()
+        g.graph.reset()
     return LaneSelfcheckReport(
         iterations=iterations,
         mismatches=mismatches,
         max_abs_diff=max_diff,
-        retired_bytes_during_capture=retired,
+        draft_retired_bytes=retired,
         lanes_overlap=lanes_overlap,
         shared_lane_overlap=shared_overlap,
     )
