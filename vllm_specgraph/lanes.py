@@ -324,11 +324,12 @@ class LaneWorkspace:
         return tensor
 
     def _held_bytes(self, lane: int) -> int:
-        return sum(
-            _slot_bytes(slot)[0] + _slot_bytes(slot)[2]
-            for (_, slot_lane), slot in self._slots.items()
-            if slot_lane == lane
-        )
+        live_and_persistent = 0
+        for (_, slot_lane), slot in self._slots.items():
+            if slot_lane == lane:
+                live, _, persistent = _slot_bytes(slot)
+                live_and_persistent += live + persistent
+        return live_and_persistent
 
     # -- lock, release, accounting ---------------------------------------------------
 
