@@ -229,18 +229,16 @@ class _DisposablePass:
                 try:
                     measured = measure_captures(self.owners, pool, self.channel_pools, recorders)
                 except BaseException as exc:
-                    for failure in _run_all(_destroy_steps(recorders, self.owners), quiet=True):
-                        exc.add_note(f"graph teardown also failed: {failure!r}")
+                    _tear_down(_destroy_steps(recorders, self.owners), exc)
                     raise
-                _run_all(_destroy_steps(recorders, self.owners))
+                _tear_down(_destroy_steps(recorders, self.owners))
         except BaseException as exc:
             # The traceback's frames hold the failed capture's tensors, which live in
             # the private pool: clear them or the pool cannot go back to the driver.
             traceback.clear_frames(exc.__traceback__)
-            for failure in _run_all(restore, quiet=True):
-                exc.add_note(f"profile teardown also failed: {failure!r}")
+            _tear_down(restore, exc)
             raise
-        _run_all(restore)
+        _tear_down(restore)
         return measured
 
 
@@ -279,17 +277,20 @@ def measure_captures(
 Step = Callable[[], object]
 
 
-def _run_all(steps: Sequence[Step], *, quiet: bool = False) -> list[BaseException]:
-    """Run every step even if some fail; raise the first failure unless ``quiet``."""
-    failures: list[BaseException] = []
+def _tear_down(steps: Sequence[Step], error: BaseException | None = None) -> None:
+    """Run every step even if some fail. With ``error`` in flight, failures become
+    notes on it (the caller re-raises the original); otherwise the first one is raised."""
+    failures: list[Exception] = []
     for step in steps:
         try:
             step()
         except Exception as exc:
             failures.append(exc)
-    if failures and not quiet:
+    if error is not None:
+        for failure in failures:
+            error.add_note(f"profile teardown also failed: {failure!r}")
+    elif failures:
         raise failures[0]
-    return failures
 
 
 def _destroy_steps(recorders: list[GraphRecorder], owners: Sequence[OwnerGraphs]) -> list[Step]:
