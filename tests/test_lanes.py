@@ -217,13 +217,13 @@ def test_lock_within_capacity_still_serves():
     (b,) = ws.get_simultaneous(((100,), torch.float32))
     assert a.data_ptr() == b.data_ptr()
     ws.unlock()
-    assert not ws.is_locked
+    assert not ws.is_locked()
     ws.get_simultaneous(((1024,), torch.float32))
 
 
 def test_get_persistent_same_key_same_tensor_per_slot():
     ws = LaneWorkspace("cpu")
-    a = ws.get_persistent("cu_seqlens", (9,), torch.int32)
+    a = ws.get_persistent("cu_seqlens", (9,), torch.int32, zero_init=True)
     assert torch.count_nonzero(a) == 0
     assert ws.get_persistent("cu_seqlens", (9,), torch.int32) is a
     with use_owner("draft"):
@@ -302,3 +302,98 @@ def test_alloc_context_wraps_every_allocation():
     ws.get_simultaneous(((8,), torch.float32))  # fits: no allocation
     ws.get_persistent("k", (2,), torch.int32)
     assert entered == ["in", "in"]
+
+
+def test_get_persistent_without_zero_init_is_uninitialised_like_vllm(monkeypatch):
+    made = []
+    real_empty = torch.empty
+
+    def recording_empty(*args, **kwargs):
+        made.append("empty")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", recording_empty)
+    LaneWorkspace("cpu").get_persistent("scratch", (4,), torch.int32)
+    assert made == ["empty"]
+
+
+def test_slot_follows_ubatch_id_callable_when_no_ubatch_given():
+    current = [0]
+    ws = LaneWorkspace("cpu", num_ubatches=2, ubatch_id=lambda: current[0])
+    (u0,) = ws.get_simultaneous(((64,), torch.float32))
+    current[0] = 1
+    (u1,) = ws.get_simultaneous(((64,), torch.float32))
+    assert not _overlaps(_span(u0), _span(u1))
+    current[0] = 2
+    with pytest.raises(ValueError, match=r"ubatch must be in \[0, 2\), got 2"):
+        ws.get_simultaneous(((4,), torch.float32))
+
+
+def test_num_ubatches_none_means_one_like_vllm():
+    assert LaneWorkspace("cpu", num_ubatches=None).num_ubatches == 1
+
+
+@pytest.mark.parametrize("owner", [True, False, 1.0, None, ""])
+def test_use_owner_rejects_bool_and_other_types_naming_the_value(owner):
+    with pytest.raises(TypeError, match="owner must be a non-empty str"), use_owner(owner):
+        pass
+
+
+@pytest.mark.parametrize("shape", [(-1,), (4, -2), (2.5,), (True,)])
+def test_get_simultaneous_negative_or_non_int_dimension_raises(shape):
+    ws = LaneWorkspace("cpu")
+    with pytest.raises(ValueError, match="negative or non-integer dimension"):
+        ws.get_simultaneous(((8,), torch.float32), (shape, torch.float32))
+    assert ws.usage()["target"].live_bytes == 0
+
+
+def test_rollback_checkpoint_of_collected_workspace_refused_by_new_one():
+    import gc
+
+    old = LaneWorkspace("cpu")
+    checkpoint = old.checkpoint()
+    del old
+    gc.collect()
+    for _ in range(50):  # a new object often takes the collected one's id()
+        fresh = LaneWorkspace("cpu")
+        with pytest.raises(ValueError, match="another LaneWorkspace"):
+            fresh.rollback(checkpoint)
+
+
+def test_rollback_restores_lock_state():
+    ws = LaneWorkspace("cpu")
+    checkpoint = ws.checkpoint()
+    ws.lock()
+    ws.rollback(checkpoint)
+    assert not ws.is_locked()
+    ws.lock()
+    locked = ws.checkpoint()
+    ws.unlock()
+    ws.rollback(locked)
+    assert ws.is_locked()
+
+
+def test_locked_error_is_also_assertion_error_like_vllm():
+    ws = LaneWorkspace("cpu")
+    ws.lock()
+    with pytest.raises(AssertionError):
+        ws.get_simultaneous(((8,), torch.float32))
+
+
+def test_lane_thread_runs_in_starting_lane_plain_thread_does_not():
+    from vllm_specgraph.lanes import LaneThread, current_owner
+
+    seen = {}
+
+    def probe(name):
+        seen[name] = current_owner()
+
+    with use_owner("draft"):
+        threads = [
+            LaneThread(target=probe, args=("lane_thread",)),
+            threading.Thread(target=probe, args=("plain_thread",)),
+        ]
+    for thread in threads:
+        thread.start()
+        thread.join()
+    assert seen == {"lane_thread": "draft", "plain_thread": "target"}

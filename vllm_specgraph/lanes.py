@@ -13,6 +13,15 @@ gives each execution owner (target, draft, ...) its own lane, and each
   graphs which took views of it are destroyed.
 * :meth:`LaneWorkspace.lock` turns any further growth into an error that names
   the caller, so a late allocation cannot silently move memory under a graph.
+* Growth during a capture allocates outside the capturing graph's pool: the
+  buffer is shared by every later graph of its lane and must not die with
+  the graph (or the throwaway profiling pool) that happened to grow it.
+* :class:`LaneThread` starts a thread in the lane of the code that starts it.
+
+:class:`LaneWorkspace` has the interface of vLLM's ``WorkspaceManager``
+(``get_simultaneous``, ``get_persistent_resource``, ``get_persistent``,
+``lock``/``unlock``/``is_locked``), so the vLLM patch installs it as that
+manager: one workspace implementation, not two.
 
 Torch only: this module never imports vLLM.
 """
@@ -20,7 +29,9 @@ Torch only: this module never imports vLLM.
 from __future__ import annotations
 
 import contextvars
+import itertools
 import sys
+import threading
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -33,6 +44,7 @@ __all__ = [
     "ALIGNMENT_BYTES",
     "DEFAULT_OWNER_LANES",
     "LaneCheckpoint",
+    "LaneThread",
     "LaneWorkspace",
     "OwnerBytes",
     "WorkspaceLockedError",
@@ -69,10 +81,13 @@ def use_owner(owner: Owner) -> Iterator[None]:
     The selection lives in a :class:`contextvars.ContextVar`, so it is private to
     the current thread or asyncio task. Legal during capture (it allocates nothing).
     """
+    if isinstance(owner, bool) or not isinstance(owner, str | int) or owner == "":
+        raise TypeError(
+            f"owner must be a non-empty str (e.g. 'draft') or an int lane, got {owner!r} "
+            f"({type(owner).__name__})"
+        )
     if isinstance(owner, int):
         _check_lane_index(owner)
-    elif not isinstance(owner, str) or not owner:
-        raise TypeError(f"owner must be a non-empty str or an int lane, got {owner!r}")
     token = _current_owner.set(owner)
     try:
         yield
@@ -90,8 +105,28 @@ def _check_lane_index(lane: int) -> None:
         raise ValueError(f"lane must be >= 0, got {lane}; target uses lane 0, draft lane 1")
 
 
-class WorkspaceLockedError(RuntimeError):
-    """A locked workspace was asked for memory it does not already hold."""
+class LaneThread(threading.Thread):
+    """A thread whose target runs in a copy of the starting thread's context.
+
+    A plain :class:`threading.Thread` starts with an empty context, i.e. in the
+    target lane; work that a speculator phase hands to a thread (micro-batch
+    overlap, for instance) must stay in the speculator's lane.
+    """
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self._context = contextvars.copy_context()
+
+    def run(self) -> None:
+        self._context.run(super().run)
+
+
+class WorkspaceLockedError(RuntimeError, AssertionError):
+    """A locked workspace was asked for memory it does not already hold.
+
+    Also an AssertionError, which is what vLLM's own manager raises, so
+    handlers written against vLLM keep matching.
+    """
 
 
 @dataclass(frozen=True)
@@ -111,7 +146,8 @@ class OwnerBytes:
 class LaneCheckpoint:
     """Opaque record of a workspace's buffers, taken by :meth:`LaneWorkspace.checkpoint`."""
 
-    workspace_id: int
+    workspace_serial: int
+    locked: bool
     slots: tuple[tuple[tuple[int, int], _SlotState], ...]
 
 
@@ -157,22 +193,32 @@ class LaneWorkspace:
         alloc_context: entered around every buffer allocation (vLLM's sleep
             mode allocates workspaces from its own memory pool this way).
 
+        ubatch_id: which micro-batch the calling thread runs, for calls that
+            pass no ``ubatch`` (vLLM passes its dual-batch-overlap ubatch id).
+
     *Owns*: every buffer, retired buffer and persistent tensor it hands views of.
     *Borrows*: nothing. Callers hold views only while the workspace lives.
 
-    .. note:: One workspace is used from one thread at a time (the runner's);
-       only the owner selection is per thread / per task.
+    .. note:: Each (ubatch, lane) slot is used from one thread at a time; the
+       owner selection is per thread / per task.
     """
+
+    _serials = itertools.count()
 
     def __init__(
         self,
         device: torch.device | str,
         *,
-        num_ubatches: int = 1,
+        num_ubatches: int | None = 1,
         owner_lanes: Mapping[str, int] = DEFAULT_OWNER_LANES,
         num_lanes: int | None = None,
         alloc_context: Callable[[], AbstractContextManager[object]] = nullcontext,
+        ubatch_id: Callable[[], int] = lambda: 0,
     ) -> None:
+        if num_ubatches is None:
+            num_ubatches = 1
+        if isinstance(num_ubatches, bool) or not isinstance(num_ubatches, int):
+            raise TypeError(f"num_ubatches must be an int, got {num_ubatches!r}")
         if num_ubatches < 1:
             raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
         for owner, lane in owner_lanes.items():
@@ -196,8 +242,11 @@ class LaneWorkspace:
         self.num_lanes = num_lanes
         self.owner_lanes: Mapping[str, int] = dict(owner_lanes)
         self._alloc_context = alloc_context
+        self._ubatch_id = ubatch_id
         self._slots = {(u, lane): _Slot() for u in range(num_ubatches) for lane in range(num_lanes)}
         self._locked = False
+        self._serial = next(self._serials)
+        self._growth_stream: torch.cuda.Stream | None = None
 
     # -- lane resolution -------------------------------------------------------------
 
@@ -222,31 +271,39 @@ class LaneWorkspace:
             )
         return lane
 
-    def _slot(self, ubatch: int) -> tuple[_Slot, Owner, int]:
+    def _slot(self, ubatch: int | None) -> tuple[_Slot, Owner, int, int]:
+        if ubatch is None:
+            ubatch = self._ubatch_id()
         if not 0 <= ubatch < self.num_ubatches:
             raise ValueError(f"ubatch must be in [0, {self.num_ubatches}), got {ubatch}")
         owner = current_owner()
         lane = self.lane_of(owner)
-        return self._slots[(ubatch, lane)], owner, lane
+        return self._slots[(ubatch, lane)], owner, lane, ubatch
 
     # -- allocation ------------------------------------------------------------------
 
     def get_simultaneous(
-        self, *shapes_and_dtypes: tuple[Sequence[int], torch.dtype], ubatch: int = 0
+        self, *shapes_and_dtypes: tuple[Sequence[int], torch.dtype], ubatch: int | None = None
     ) -> list[torch.Tensor]:
         """Views of the current owner's buffer, one per ``(shape, dtype)``, never overlapping.
 
         Each view starts on an :data:`ALIGNMENT_BYTES` boundary. Views of one call
         are valid together; a later call on the same (ubatch, lane) reuses the
         same memory. Grows the buffer if needed (see class notes); legal during
-        capture only when no growth is needed, since growth allocates.
+        capture: growth then allocates outside the capturing graph's pool.
         """
+        for shape, _ in shapes_and_dtypes:
+            if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+                raise ValueError(
+                    f"workspace shape {tuple(shape)} has a negative or non-integer dimension; "
+                    "pass the concrete sizes (>= 0) of every dimension"
+                )
         nbytes = [prod(shape) * dtype.itemsize for shape, dtype in shapes_and_dtypes]
         starts, end = [], 0
         for n in nbytes:
             starts.append(end)
             end += _aligned(n)
-        slot, owner, lane = self._slot(ubatch)
+        slot, owner, lane, ubatch = self._slot(ubatch)
         buffer = slot.buffer
         if buffer is None or buffer.numel() < end:
             buffer = self._grow(slot, end, owner, lane, ubatch)
@@ -265,7 +322,7 @@ class LaneWorkspace:
                 f"(owner={owner!r}, lane={lane}, ubatch={ubatch}, held={held} bytes); "
                 "size the workspace during warm-up, before lock()"
             )
-        with self._alloc_context():
+        with self._alloc_context(), self._outside_capture_pool():
             storage = torch.empty(
                 required + ALIGNMENT_BYTES - 1, dtype=torch.uint8, device=self.device
             )
@@ -278,8 +335,21 @@ class LaneWorkspace:
         slot.buffer = storage[start : start + required]
         return slot.buffer
 
+    def _outside_capture_pool(self) -> AbstractContextManager[object]:
+        """Route an allocation made during a capture to the ordinary pool.
+
+        While a stream captures, the caching allocator serves that stream from
+        the graph's private pool; a stream that is not capturing is served from
+        the ordinary pool. So the allocation is made on a side stream.
+        """
+        if self.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            return nullcontext()
+        if self._growth_stream is None:
+            self._growth_stream = torch.cuda.Stream(self.device)
+        return torch.cuda.stream(self._growth_stream)
+
     def get_persistent_resource(
-        self, key: Hashable, factory: Callable[[], T], *, ubatch: int = 0
+        self, key: Hashable, factory: Callable[[], T], *, ubatch: int | None = None
     ) -> T:
         """The object kept under ``key`` for the current (ubatch, lane); made by ``factory``.
 
@@ -287,7 +357,7 @@ class LaneWorkspace:
         return the same object. A new key after :meth:`lock` raises
         :class:`WorkspaceLockedError` naming the caller, owner, lane and ubatch.
         """
-        slot, owner, lane = self._slot(ubatch)
+        slot, owner, lane, ubatch = self._slot(ubatch)
         if key in slot.persistent:
             return slot.persistent[key]
         if self._locked:
@@ -296,23 +366,31 @@ class LaneWorkspace:
                 f"{key!r} (owner={owner!r}, lane={lane}, ubatch={ubatch}, "
                 f"held={self._held_bytes(lane)} bytes); create it during warm-up, before lock()"
             )
-        with self._alloc_context():
+        with self._alloc_context(), self._outside_capture_pool():
             resource = factory()
         slot.persistent[key] = resource
         return resource
 
     def get_persistent(
-        self, key: Hashable, shape: Sequence[int], dtype: torch.dtype, *, ubatch: int = 0
+        self,
+        key: Hashable,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        *,
+        zero_init: bool = False,
+        ubatch: int | None = None,
     ) -> torch.Tensor:
-        """A zero-initialised tensor kept under ``key`` for the current (ubatch, lane).
+        """A tensor kept under ``key`` for the current (ubatch, lane).
 
-        Same rules as :meth:`get_persistent_resource`; asking for an existing key
-        with another shape or dtype raises ValueError.
+        Zeroed when first made if ``zero_init``, else uninitialised. Same rules
+        as :meth:`get_persistent_resource`; asking for an existing key with
+        another shape or dtype raises ValueError.
         """
         shape = tuple(shape)
+        make = torch.zeros if zero_init else torch.empty
         tensor = self.get_persistent_resource(
             (torch.Tensor, key),
-            lambda: torch.zeros(shape, dtype=dtype, device=self.device),
+            lambda: make(shape, dtype=dtype, device=self.device),
             ubatch=ubatch,
         )
         if tuple(tensor.shape) != shape or tensor.dtype != dtype:
@@ -333,7 +411,6 @@ class LaneWorkspace:
 
     # -- lock, release, accounting ---------------------------------------------------
 
-    @property
     def is_locked(self) -> bool:
         return self._locked
 
@@ -371,20 +448,25 @@ class LaneWorkspace:
     # -- checkpoint / rollback -------------------------------------------------------
 
     def checkpoint(self) -> LaneCheckpoint:
-        """Record which buffers each slot holds, for :meth:`rollback`. Allocates nothing."""
-        return LaneCheckpoint(id(self), tuple((k, s.state()) for k, s in self._slots.items()))
+        """Record which buffers each slot holds and the lock state, for :meth:`rollback`.
+
+        Allocates nothing.
+        """
+        return LaneCheckpoint(
+            self._serial, self._locked, tuple((k, s.state()) for k, s in self._slots.items())
+        )
 
     def rollback(self, checkpoint: LaneCheckpoint) -> None:
-        """Return every slot to the buffers it held at ``checkpoint``.
+        """Return every slot to the buffers it held at ``checkpoint``, and the lock state.
 
         Buffers and persistent tensors created since are dropped (freed once no
         view of them is left); buffers retired since become live again.
 
         *Requires*: every graph captured since the checkpoint is destroyed.
-        The lock state is left as it is.
         """
-        if checkpoint.workspace_id != id(self):
+        if checkpoint.workspace_serial != self._serial:
             raise ValueError("checkpoint was taken from another LaneWorkspace; roll back that one")
+        self._locked = checkpoint.locked
         for key, state in checkpoint.slots:
             slot = self._slots[key]
             slot.buffer = state.buffer
