@@ -242,9 +242,10 @@ def test_profile_graph_memory_bad_owners_raise_before_touching_state(cuda):
 def test_profile_graph_memory_during_channel_capture_refused_and_state_kept(cuda):
     events, _ = cuda
     channels = _channel_pool(events)
-    with channels.capture("target"), pytest.raises(RuntimeError):
+    with channels.capture("target"), pytest.raises(RuntimeError, match="capture"):
         profile_graph_memory([_owner("target", events, 1)], channel_pools=[channels])
     assert channels.num_channels == 1
+    assert ("warm", "target") not in events, "refuse before running any warm-up"
 
 
 def test_profile_graph_memory_inside_stream_capture_refused(cuda, monkeypatch):
@@ -253,3 +254,53 @@ def test_profile_graph_memory_inside_stream_capture_refused(cuda, monkeypatch):
     with pytest.raises(RuntimeError, match="call it before capture"):
         profile_graph_memory([_owner("target", events, 1)])
     assert events == []
+
+
+def test_disposable_graph_pass_order_redirect_exits_after_destroy_before_release(cuda):
+    from vllm_specgraph.profile import disposable_graph_pass
+
+    events, _ = cuda
+    workspace = LaneWorkspace("cpu")
+
+    @contextmanager
+    def redirect(pool):
+        events.append(("redirect", pool))
+        yield
+        events.append(("restore_pools",))
+
+    with disposable_graph_pass(workspace=workspace, redirect_pools=redirect) as disposable:
+        workspace.lock()
+        disposable.on_destroy(lambda: events.append(("destroy", "graphs")))
+        disposable.on_destroy(lambda: events.append(("destroy", "outputs")))
+    assert events == [
+        ("pool", 1),
+        ("redirect", (0, 1)),
+        ("sync",),
+        ("destroy", "graphs"),
+        ("destroy", "outputs"),
+        ("restore_pools",),
+        ("sync",),
+        ("empty_cache",),
+    ]
+    assert not workspace.is_locked(), "the pass restores the lock state"
+
+
+def test_disposable_graph_pass_failing_destroy_step_still_restores_then_raises(cuda):
+    from vllm_specgraph.profile import disposable_graph_pass
+
+    events, _ = cuda
+    channels = _channel_pool(events)
+
+    def broken():
+        raise OSError("destroy failed")
+
+    with (
+        pytest.raises(OSError, match="destroy failed"),
+        disposable_graph_pass(channel_pools=[channels]) as disposable,
+    ):
+        with channels.capture("draft"):
+            pass
+        disposable.on_destroy(broken)
+        disposable.on_destroy(lambda: events.append(("destroy", "after_broken")))
+    assert ("destroy", "after_broken") in events
+    assert channels.num_channels == 0, "channels made in the pass are rolled back"

@@ -26,27 +26,26 @@ import gc
 import json
 import time
 import traceback
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
 
 from vllm_specgraph.capture import GraphRecorder
-from vllm_specgraph.channels import (
-    ChannelPool,
-    PoolsCheckpoint,
-    checkpoint_pools,
-    rollback_pools,
-)
-from vllm_specgraph.lanes import LaneCheckpoint, LaneWorkspace, use_owner
+from vllm_specgraph.channels import ChannelPool, checkpoint_pools, rollback_pools
+from vllm_specgraph.lanes import LaneWorkspace, use_owner
 
 __all__ = [
+    "DisposablePass",
     "GraphMemoryReport",
     "OwnerGraphs",
     "OwnerMemory",
+    "disposable_graph_pass",
     "measure_captures",
     "profile_graph_memory",
+    "release_capture_stream_workspaces",
+    "settled_free_bytes",
 ]
 
 _MIB = 1 << 20
@@ -126,16 +125,37 @@ class GraphMemoryReport:
 PoolRedirect = Callable[[tuple[int, int]], AbstractContextManager[object]]
 """Points the caller's graph managers at the private pool for the duration of the block."""
 
+Step = Callable[[], object]
 
-def _settle() -> int:
-    """Driver-level free bytes once nothing cached or in flight distorts the reading."""
+
+def settled_free_bytes() -> int:
+    """Driver-level free bytes once nothing cached or in flight distorts the reading.
+
+    Collects garbage, synchronises and empties the allocator cache first.
+    Not legal during capture.
+    """
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     return torch.cuda.mem_get_info()[0]
 
 
-def _check_owners(owners: Sequence[OwnerGraphs], workspace: LaneWorkspace | None) -> None:
+def release_capture_stream_workspaces() -> None:
+    """Free the cuBLAS workspaces torch keeps per (handle, stream).
+
+    A capture stream that only throwaway graphs used would keep its workspace
+    (32 MiB on Hopper) for the life of the process, while the production
+    capture, on streams of its own, pays for new ones. *Requires*: no work in
+    flight (synchronise first); the next matmul on a stream allocates anew.
+    """
+    torch._C._cuda_clearCublasWorkspaces()
+
+
+def _check_owners(
+    owners: Sequence[OwnerGraphs],
+    workspace: LaneWorkspace | None,
+    channel_pools: Sequence[ChannelPool],
+) -> None:
     if not owners:
         raise ValueError("owners is empty; pass at least the target's OwnerGraphs")
     names = [o.owner for o in owners]
@@ -151,6 +171,74 @@ def _check_owners(owners: Sequence[OwnerGraphs], workspace: LaneWorkspace | None
             "profile_graph_memory was called while the current stream is capturing a CUDA "
             "graph; call it before capture, when the engine sizes its KV cache"
         )
+    checkpoint_pools(channel_pools)  # a busy channel pool refuses here, before any warm-up
+
+
+class DisposablePass:
+    """A disposable pass in progress: its private graph pool and what to destroy.
+
+    Made by :func:`disposable_graph_pass`. Register with :meth:`on_destroy`
+    everything that keeps memory of :attr:`pool` alive (graphs, static outputs).
+    """
+
+    def __init__(self, pool: tuple[int, int]) -> None:
+        self.pool = pool
+        self._destroy_steps: list[Step] = []
+
+    def on_destroy(self, step: Step) -> None:
+        """Run ``step`` at teardown, after a synchronise, while the pool is still owned.
+
+        Steps run in registration order, every one even if an earlier one fails.
+        """
+        self._destroy_steps.append(step)
+
+    def _destroy(self, error: BaseException | None = None) -> None:
+        steps, self._destroy_steps = [torch.cuda.synchronize, *self._destroy_steps], []
+        _tear_down(steps, error)
+
+
+@contextmanager
+def disposable_graph_pass(
+    *,
+    channel_pools: Sequence[ChannelPool] = (),
+    workspace: LaneWorkspace | None = None,
+    redirect_pools: PoolRedirect | None = None,
+) -> Iterator[DisposablePass]:
+    """Capture into a private pool that is given back whole when the block exits.
+
+    On entry: checkpoint ``channel_pools`` and ``workspace``, make a private
+    pool, enter ``redirect_pools(pool)``. On exit, on success and on error alike:
+    synchronise and run the destroy steps while the pool is still owned, exit
+    the redirect (production pools back), roll the lanes back (growth since may
+    live in the pool), release the pool (empty the cache), roll the channels
+    back (their contract: every graph using them is destroyed and synchronised).
+    An error in the block is re-raised with any teardown failures as notes.
+
+    *Requires*: no capture is active. *Guarantees*: channels, lanes (buffers and
+    lock state) and the redirected pools are left as they were found.
+    """
+    channels_checkpoint = checkpoint_pools(channel_pools)
+    restore: list[Step] = []
+    if workspace is not None:
+        lanes_checkpoint = workspace.checkpoint()
+        restore.append(lambda: workspace.rollback(lanes_checkpoint))
+    restore += [settled_free_bytes, lambda: rollback_pools(channels_checkpoint)]
+    try:
+        disposable = DisposablePass(torch.cuda.graph_pool_handle())
+        with redirect_pools(disposable.pool) if redirect_pools else nullcontext():
+            try:
+                yield disposable
+            except BaseException as exc:
+                disposable._destroy(exc)
+                raise
+            disposable._destroy()
+    except BaseException as exc:
+        # The traceback's frames hold the failed capture's tensors, which live in
+        # the private pool: clear them or the pool cannot go back to the driver.
+        traceback.clear_frames(exc.__traceback__)
+        _tear_down(restore, exc)
+        raise
+    _tear_down(restore)
 
 
 def profile_graph_memory(
@@ -180,66 +268,47 @@ def profile_graph_memory(
     (production pools restored). The eager warm-up's effects (loaded kernels,
     sized workspace lanes, eager channels) are production state and stay.
     """
-    _check_owners(owners, workspace)
+    _check_owners(owners, workspace, channel_pools)
     started = time.perf_counter()
-    free_initial = _settle()
+    free_initial = settled_free_bytes()
     for o in owners:
         if o.warmup is not None:
             with use_owner(o.owner):
                 o.warmup()
-    disposable = _DisposablePass(owners, channel_pools, workspace, redirect_pools)
     if warmup_capture:
-        disposable.run()
-    free_base = _settle()
+        _run_disposable_pass(owners, channel_pools, workspace, redirect_pools)
+    free_base = settled_free_bytes()
     reserved_base = torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
-    measured = disposable.run()
+    measured = _run_disposable_pass(owners, channel_pools, workspace, redirect_pools)
     peak = torch.cuda.max_memory_reserved() - reserved_base
     return GraphMemoryReport(
         owners=tuple(measured),
         one_time_bytes=free_initial - free_base,
         transient_peak_bytes=peak,
-        retained_bytes=free_base - _settle(),
+        retained_bytes=free_base - settled_free_bytes(),
         retained_allocator_bytes=torch.cuda.memory_reserved() - reserved_base,
         wall_seconds=time.perf_counter() - started,
     )
 
 
-class _DisposablePass:
-    """Steps 3-6 once: checkpoint, capture into a fresh private pool, destroy, restore."""
-
-    def __init__(
-        self,
-        owners: Sequence[OwnerGraphs],
-        channel_pools: Sequence[ChannelPool],
-        workspace: LaneWorkspace | None,
-        redirect_pools: PoolRedirect | None,
-    ) -> None:
-        self.owners, self.channel_pools = owners, channel_pools
-        self.workspace, self.redirect_pools = workspace, redirect_pools
-
-    def run(self) -> list[OwnerMemory]:
-        channels_cp = checkpoint_pools(self.channel_pools)
-        lanes_cp = self.workspace.checkpoint() if self.workspace is not None else None
-        restore = _restore_steps(self.workspace, lanes_cp, channels_cp)
+def _run_disposable_pass(
+    owners: Sequence[OwnerGraphs],
+    channel_pools: Sequence[ChannelPool],
+    workspace: LaneWorkspace | None,
+    redirect_pools: PoolRedirect | None,
+) -> list[OwnerMemory]:
+    """One pass of steps 3-6: capture every owner into a private pool, then give it back."""
+    with disposable_graph_pass(
+        channel_pools=channel_pools, workspace=workspace, redirect_pools=redirect_pools
+    ) as disposable:
         recorders: list[GraphRecorder] = []
-        try:
-            pool = torch.cuda.graph_pool_handle()
-            with self.redirect_pools(pool) if self.redirect_pools else nullcontext():
-                try:
-                    measured = measure_captures(self.owners, pool, self.channel_pools, recorders)
-                except BaseException as exc:
-                    _tear_down(_destroy_steps(recorders, self.owners), exc)
-                    raise
-                _tear_down(_destroy_steps(recorders, self.owners))
-        except BaseException as exc:
-            # The traceback's frames hold the failed capture's tensors, which live in
-            # the private pool: clear them or the pool cannot go back to the driver.
-            traceback.clear_frames(exc.__traceback__)
-            _tear_down(restore, exc)
-            raise
-        _tear_down(restore)
-        return measured
+        disposable.on_destroy(lambda: [recorder.reset() for recorder in recorders])
+        for o in owners:
+            if o.release is not None:
+                disposable.on_destroy(o.release)
+        disposable.on_destroy(recorders.clear)
+        return measure_captures(owners, disposable.pool, channel_pools, recorders)
 
 
 def measure_captures(
@@ -250,17 +319,18 @@ def measure_captures(
 ) -> list[OwnerMemory]:
     """Capture each owner's graphs into ``pool``, in order, and measure each owner.
 
-    Appends one :class:`GraphRecorder` per owner to ``recorders`` (the caller
-    keeps or destroys the graphs). The profile's step 4, and how production
-    capture is measured, so both follow one path. Not legal during capture.
+    Appends one :class:`GraphRecorder` per owner to ``recorders`` as it is made,
+    so that after an error midway the caller can still destroy what was captured.
+    The profile's step 4, and how production capture is measured, so both
+    follow one path. Not legal during capture.
     """
     measured = []
-    free_prev, reserved_prev = _settle(), torch.cuda.memory_reserved()
+    free_prev, reserved_prev = settled_free_bytes(), torch.cuda.memory_reserved()
     for o in owners:
         recorders.append(GraphRecorder(pool, o.owner, channel_pools))
         with use_owner(o.owner):
             o.capture(recorders[-1])
-        free_now = _settle()
+        free_now = settled_free_bytes()
         reserved_now = torch.cuda.memory_reserved()
         measured.append(
             OwnerMemory(
@@ -272,9 +342,6 @@ def measure_captures(
         )
         free_prev, reserved_prev = free_now, reserved_now
     return measured
-
-
-Step = Callable[[], object]
 
 
 def _tear_down(steps: Sequence[Step], error: BaseException | None = None) -> None:
@@ -291,29 +358,3 @@ def _tear_down(steps: Sequence[Step], error: BaseException | None = None) -> Non
             error.add_note(f"profile teardown also failed: {failure!r}")
     elif failures:
         raise failures[0]
-
-
-def _destroy_steps(recorders: list[GraphRecorder], owners: Sequence[OwnerGraphs]) -> list[Step]:
-    """Step 5, while the private pool is still ours: graphs (once their work is done),
-    then what the owners kept in the pool."""
-    steps: list[Step] = [torch.cuda.synchronize]
-    steps += [recorder.reset for recorder in recorders]
-    steps += [o.release for o in owners if o.release is not None]
-    steps.append(recorders.clear)
-    return steps
-
-
-def _restore_steps(
-    workspace: LaneWorkspace | None,
-    lanes_cp: LaneCheckpoint | None,
-    channels_cp: PoolsCheckpoint,
-) -> list[Step]:
-    """Steps 5-6 after the graphs are gone: lanes (growth since the checkpoint may
-    live in the private pool), release the pool, then channels (their contract:
-    every graph using them is destroyed and synchronised)."""
-    steps: list[Step] = []
-    if workspace is not None:
-        steps.append(lambda: workspace.rollback(lanes_cp))
-    steps.append(_settle)
-    steps.append(lambda: rollback_pools(channels_cp))
-    return steps

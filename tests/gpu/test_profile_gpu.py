@@ -4,25 +4,21 @@ Sizes are read at driver level (cudaMemGetInfo), which is what the KV cache
 competes for.
 """
 
-import gc
-
 import pytest
 import torch
 
 from vllm_specgraph.capture import GraphRecorder
 from vllm_specgraph.demo.model import ToyGraphSet, build_toy_setup
-from vllm_specgraph.profile import OwnerGraphs, measure_captures, profile_graph_memory
+from vllm_specgraph.profile import (
+    OwnerGraphs,
+    measure_captures,
+    profile_graph_memory,
+    settled_free_bytes,
+)
 
 pytestmark = pytest.mark.gpu
 
 MIB = 1 << 20
-
-
-def _free() -> int:
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    return torch.cuda.mem_get_info()[0]
 
 
 def _close(estimate: int, actual: int) -> bool:
@@ -85,9 +81,9 @@ def test_profile_graph_memory_gives_every_byte_back_and_repeats():
     setup = build_toy_setup()
     setup.channels.current()  # the eager channel is production state that warm-up creates
     channels_before = setup.channels.channels
-    free_before = _free()
+    free_before = settled_free_bytes()
     first = _profile(setup)
-    free_after = _free()
+    free_after = settled_free_bytes()
     assert free_before - free_after - first.one_time_bytes <= 2 * MIB
     assert first.retained_bytes <= 2 * MIB
     second = _profile(setup)
@@ -95,7 +91,7 @@ def test_profile_graph_memory_gives_every_byte_back_and_repeats():
         first.total_driver_bytes
     )
     assert second.retained_bytes <= 2 * MIB
-    assert free_after - _free() <= 2 * MIB
+    assert free_after - settled_free_bytes() <= 2 * MIB
     assert setup.channels.channels == channels_before
 
 
@@ -114,7 +110,7 @@ def test_profile_graph_memory_fault_mid_draft_capture_restores_everything():
 
     channels_before = setup.channels.channels
     lanes_before = setup.workspace.usage()
-    free_before = _free()
+    free_before = settled_free_bytes()
     draft = setup.draft
 
     def failing_capture(recorder):
@@ -126,7 +122,7 @@ def test_profile_graph_memory_fault_mid_draft_capture_restores_everything():
         _profile(setup, owners)
     assert setup.channels.channels == channels_before
     assert setup.workspace.usage() == lanes_before
-    assert abs(free_before - _free()) <= 2 * MIB
+    assert abs(free_before - settled_free_bytes()) <= 2 * MIB
 
     # Production afterwards costs what it cost without the fault, and matches the estimate.
     actual = measure_captures(
@@ -176,7 +172,7 @@ def test_profile_graph_memory_oom_inside_draft_capture_restores_everything():
     _profile(setup)
     channels_before = setup.channels.channels
     lanes_before = setup.workspace.usage()
-    free_before = _free()
+    free_before = settled_free_bytes()
     draft = setup.draft
     total = torch.cuda.mem_get_info()[1]
 
@@ -192,7 +188,7 @@ def test_profile_graph_memory_oom_inside_draft_capture_restores_everything():
         _profile(setup, owners)
     assert setup.channels.channels == channels_before
     assert setup.workspace.usage() == lanes_before
-    assert abs(free_before - _free()) <= 2 * MIB
+    assert abs(free_before - settled_free_bytes()) <= 2 * MIB
     recorders = []
     measure_captures(setup.owners(), torch.cuda.graph_pool_handle(), [setup.channels], recorders)
     _assert_replay_equals_eager(draft, 7)
