@@ -1,39 +1,71 @@
 """vllm-specgraph: one owner for every CUDA-graph resource in speculative decoding.
 
-The torch-only core (``lanes``, ``channels``, ``profile``) never imports vLLM.
-:func:`register` is the ``vllm.general_plugins`` entry point that vLLM calls
-once per process (API server, engine core, every worker).
+The torch-only core (``lanes``, ``channels``, ``capture``, ``profile``) never
+imports vLLM. :func:`register` is the ``vllm.general_plugins`` entry point
+that vLLM calls once per process (API server, engine core, every worker); it
+arms the patch set in :mod:`vllm_specgraph.patches`.
+
+Switches: ``VLLM_SPECGRAPH=0`` leaves vLLM unpatched;
+``VLLM_SPECGRAPH_FORCE=1`` patches a vLLM other than 0.33.x (at your risk);
+``VLLM_SPECGRAPH_PROFILE=extrapolate`` keeps vLLM's own graph-memory estimate.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
-__all__ = ["SUPPORTED_VLLM_VERSION", "register"]
+__all__ = ["SUPPORTED_VLLM_SERIES", "register"]
 
-SUPPORTED_VLLM_VERSION = "0.33.0"
+SUPPORTED_VLLM_SERIES = "0.33"
+"""vLLM releases this patch set is written against: 0.33.x, local builds included."""
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.specgraph")
+
+_patches = None
+
+
+def _supported(version: str) -> bool:
+    release = version.split("+", 1)[0].split(".")
+    return ".".join(release[:2]) == SUPPORTED_VLLM_SERIES
 
 
 def register() -> bool:
-    """Entry point for ``vllm.general_plugins``; returns whether this vLLM is supported.
+    """Entry point for ``vllm.general_plugins``; returns whether the patches are armed.
 
-    An unsupported vLLM is left untouched with a warning rather than an error,
-    so a version bump never stops a server from starting unpatched.
+    Idempotent: vLLM loads plugins once per process, tests may call it again.
+    An unsupported vLLM is left untouched with a warning rather than an
+    error, so a version bump never stops a server from starting.
     """
+    global _patches
+    if os.environ.get("VLLM_SPECGRAPH", "1") == "0":
+        logger.info("vllm-specgraph is installed but off (VLLM_SPECGRAPH=0); vLLM runs unpatched")
+        return False
     import vllm
+    import vllm.logger  # configures the "vllm" logger these lines go through
 
     version = getattr(vllm, "__version__", "unknown")
-    if version != SUPPORTED_VLLM_VERSION:
+    forced = os.environ.get("VLLM_SPECGRAPH_FORCE", "0") == "1"
+    if not _supported(version) and not forced:
         logger.warning(
-            "vllm-specgraph supports vLLM %s but found %s; leaving vLLM unpatched. "
-            "Install vllm==%s or a vllm-specgraph release built for %s.",
-            SUPPORTED_VLLM_VERSION,
+            "vllm-specgraph supports vLLM %s.x but found %s; leaving vLLM unpatched. "
+            "Install vllm==%s.* or set VLLM_SPECGRAPH_FORCE=1 to patch anyway.",
+            SUPPORTED_VLLM_SERIES,
             version,
-            SUPPORTED_VLLM_VERSION,
-            version,
+            SUPPORTED_VLLM_SERIES,
         )
         return False
-    logger.info("vllm-specgraph loaded for vLLM %s", version)
+    if _patches is None:
+        from vllm_specgraph.patches import PATCHES, arm
+        from vllm_specgraph.patches._patching import PatchSet
+
+        _patches = PatchSet()
+        arm(_patches)
+        symbols = [f"{p.vllm_module}.{s}" for p in PATCHES for s in p.symbols]
+        logger.info(
+            "vllm-specgraph armed for vLLM %s%s: %s (each installed when vLLM imports its module)",
+            version,
+            " (forced)" if forced else "",
+            ", ".join(symbols),
+        )
     return True

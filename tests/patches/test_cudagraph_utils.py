@@ -1,0 +1,262 @@
+"""The exact disposable profile as vLLM 0.33.0 calls it, on the CPU.
+
+The runner, its speculator, graph wrappers and CUDA memory are faked (they
+need a GPU and a model); vLLM's own pool plumbing, compilation counters,
+workspace module and CUDAGraphMode are real. The fakes record events so the
+tests check the order of steps and what is restored after a fault.
+tests/gpu and scripts/device-vllm-e2e.sh check the real memory on a GPU.
+"""
+
+import contextlib
+import weakref
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_specgraph.lanes import current_owner
+
+pytestmark = pytest.mark.vllm
+
+MIB = 1 << 20
+
+
+class _Wrapper:
+    def __init__(self, pool, events):
+        self.graph_pool, self.events = pool, events
+
+    def clear_graphs(self):
+        self.events.append(("clear_graphs",))
+
+
+@pytest.fixture
+def vllm_env(install_patch, monkeypatch):
+    import vllm.config
+    import vllm.v1.worker.gpu.cudagraph_utils as cudagraph_utils
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+    from vllm.platforms import current_platform
+
+    workspace_module = install_patch("vllm.v1.worker.workspace")
+    install_patch("vllm.v1.worker.gpu.cudagraph_utils")
+    events: list = []
+    state = {"free": 1000 * MIB, "pool": 0, "held": 0}
+
+    def graph_pool_handle():
+        state["pool"] += 1
+        return (0, state["pool"])
+
+    def empty_cache():
+        events.append(("empty_cache",))
+        state["free"] += state.pop("releasable", 0)
+
+    for name, fn in {
+        "synchronize": lambda: events.append(("sync",)),
+        "empty_cache": empty_cache,
+        "mem_get_info": lambda: (state["free"], 2000 * MIB),
+        "graph_pool_handle": graph_pool_handle,
+        "is_current_stream_capturing": lambda: False,
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    monkeypatch.setattr(  # CPU builds of torch lack it
+        torch._C,
+        "_cuda_clearCublasWorkspaces",
+        lambda: events.append(("clear_cublas",)),
+        raising=False,
+    )
+    platform_cls = type(current_platform)
+    production_pool = graph_pool_handle()
+    monkeypatch.setattr(platform_cls, "_global_graph_pool", production_pool)
+    monkeypatch.setattr(
+        platform_cls, "graph_pool_handle", lambda self: graph_pool_handle(), raising=False
+    )
+    monkeypatch.setattr(CUDAGraphWrapper, "_all_instances", weakref.WeakSet())
+    monkeypatch.setattr(BreakableCUDAGraphWrapper, "_all_instances", weakref.WeakSet())
+    monkeypatch.setattr(vllm.config, "set_current_vllm_config", lambda c: contextlib.nullcontext())
+
+    def minimal_kv(runner):
+        events.append(("minimal_kv", platform_cls._global_graph_pool))
+
+    def teardown(runner):
+        events.append(("teardown_profiling_state",))
+        state["releasable"] = state.pop("held", 0)
+
+    monkeypatch.setattr(cudagraph_utils, "_init_minimal_kv_cache_for_profiling", minimal_kv)
+    monkeypatch.setattr(cudagraph_utils, "_teardown_profiling_state", teardown)
+    saved_manager = workspace_module._manager
+    workspace_module.init_workspace_manager(torch.device("cpu"), 1, 2)
+    yield SimpleNamespace(
+        events=events,
+        state=state,
+        platform_cls=platform_cls,
+        production_pool=production_pool,
+        wrappers=CUDAGraphWrapper._all_instances,
+        workspace=workspace_module.current_workspace_manager(),
+        lock_workspace=workspace_module.lock_workspace,
+        cudagraph_utils=cudagraph_utils,
+    )
+    workspace_module._manager = saved_manager
+
+
+class _Speculator:
+    def __init__(self, env, fail_capture=False):
+        self.env, self.fail_capture = env, fail_capture
+
+    def capture(self):
+        from vllm.compilation.counter import compilation_counter
+
+        self.env.events.append(("speculator_capture", current_owner()))
+        with torch.no_grad():
+            self.env.workspace.get_simultaneous(((1024,), torch.float32))
+        if self.fail_capture:
+            raise KeyError("draft capture failed")
+        self.env.state["free"] -= 10 * MIB
+        self.env.state["held"] += 10 * MIB
+        compilation_counter.num_cudagraph_captured += 2
+
+    def init_cudagraph_manager(self, mode):
+        self.env.events.append(("speculator_init_cudagraph_manager", mode.name))
+
+
+class _Runner:
+    def __init__(self, env, speculator, fail_capture=False):
+        from vllm.config.compilation import CUDAGraphMode
+
+        self.env, self.speculator, self.fail_capture = env, speculator, fail_capture
+        self.compilation_config = SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL)
+        self.vllm_config = object()
+
+    def needs_cudagraph_capture(self):
+        return True
+
+    def capture_model(self, *, profile_only=False):
+        from vllm.compilation.counter import compilation_counter
+
+        env = self.env
+        env.events.append(("capture_model", profile_only, env.platform_cls._global_graph_pool))
+        env.new_wrapper = _Wrapper(env.platform_cls._global_graph_pool, env.events)
+        env.wrappers.add(env.new_wrapper)
+        if self.fail_capture:
+            raise RuntimeError("target capture failed")
+        env.state["free"] -= 30 * MIB
+        env.state["held"] += 30 * MIB
+        compilation_counter.num_cudagraph_captured += 3
+        self.speculator.capture()
+        env.lock_workspace()
+        return 40 * MIB
+
+
+def _runner(env, fail_capture=False, fail_draft=False):
+    from vllm_specgraph.patches.v1.worker.gpu.model_runner import run_speculator_in_draft_lane
+
+    speculator = run_speculator_in_draft_lane(_Speculator(env, fail_draft))
+    return _Runner(env, speculator, fail_capture)
+
+
+def test_profile_measures_every_graph_per_owner_and_gives_everything_back(vllm_env):
+    from vllm.compilation.counter import compilation_counter
+
+    env = vllm_env
+    old_wrapper = _Wrapper(env.production_pool, env.events)
+    env.wrappers.add(old_wrapper)
+    graphs_before = compilation_counter.num_cudagraph_captured
+    runner = _runner(env)
+    estimate = env.cudagraph_utils.profile_cudagraph_memory(runner)
+    assert estimate == 40 * MIB
+    report = runner.specgraph_profile.estimate
+    assert [(o.owner, o.num_graphs, o.driver_bytes) for o in report.owners] == [
+        ("target", 3, 30 * MIB),
+        ("draft", 2, 10 * MIB),
+    ]
+    assert report.retained_bytes == 0
+    assert compilation_counter.num_cudagraph_captured == graphs_before
+    assert env.platform_cls._global_graph_pool == env.production_pool
+    assert old_wrapper.graph_pool == env.production_pool
+    assert env.new_wrapper.graph_pool == env.production_pool, "made mid-profile"
+    assert not env.workspace.is_locked()
+    assert env.workspace.usage()["draft"].total_bytes == 0, "lane growth rolled back"
+
+
+def test_profile_step_order(vllm_env):
+    env = vllm_env
+    env.cudagraph_utils.profile_cudagraph_memory(_runner(env))
+    private = (0, 2)
+    steps = [e for e in env.events if e[0] not in ("empty_cache",)]
+    assert steps[:4] == [("sync",), ("clear_cublas",), ("sync",), ("minimal_kv", private)]
+    capture_at = steps.index(("capture_model", False, private))
+    assert steps[capture_at + 1 : capture_at + 3] == [("sync",), ("speculator_capture", 1)]
+    destroy_at = steps.index(("clear_graphs",))
+    assert steps[destroy_at - 1] == ("sync",), "graphs are destroyed after a synchronise"
+    assert steps[destroy_at + 1 :] == [
+        ("speculator_init_cudagraph_manager", "NONE"),
+        ("teardown_profiling_state",),
+        ("clear_cublas",),
+        ("sync",),
+        ("sync",),
+    ]
+
+
+@pytest.mark.parametrize("fault", ["minimal_kv", "target_capture", "draft_capture", "teardown"])
+def test_profile_fault_at_each_step_restores_pools_lanes_counters_and_reraises(
+    vllm_env, monkeypatch, fault
+):
+    from vllm.compilation.counter import compilation_counter
+
+    env = vllm_env
+    old_wrapper = _Wrapper(env.production_pool, env.events)
+    env.wrappers.add(old_wrapper)
+    counters = (
+        compilation_counter.num_cudagraph_captured,
+        compilation_counter.num_gpu_runner_capture_triggers,
+    )
+    failure = OSError(f"{fault} failed")
+
+    def fail(*args):
+        raise failure
+
+    if fault == "minimal_kv":
+        monkeypatch.setattr(env.cudagraph_utils, "_init_minimal_kv_cache_for_profiling", fail)
+    if fault == "teardown":
+        monkeypatch.setattr(env.cudagraph_utils, "_teardown_profiling_state", fail)
+    runner = _runner(
+        env, fail_capture=fault == "target_capture", fail_draft=fault == "draft_capture"
+    )
+    with pytest.raises((OSError, RuntimeError, KeyError)) as info:
+        env.cudagraph_utils.profile_cudagraph_memory(runner)
+    assert fault.split("_")[0] in str(info.value)
+    assert env.platform_cls._global_graph_pool == env.production_pool
+    assert old_wrapper.graph_pool == env.production_pool
+    if hasattr(env, "new_wrapper"):
+        assert env.new_wrapper.graph_pool == env.production_pool
+    assert not env.workspace.is_locked()
+    assert env.workspace.usage()["draft"].total_bytes == 0
+    assert (
+        compilation_counter.num_cudagraph_captured,
+        compilation_counter.num_gpu_runner_capture_triggers,
+    ) == counters
+    assert ("clear_cublas",) in env.events[-6:], "teardown ran to the end"
+    assert not hasattr(runner, "specgraph_profile")
+
+
+def test_profile_extrapolate_mode_calls_vllm_profile(vllm_env, monkeypatch):
+    from vllm_specgraph.patches._patching import PatchSet
+    from vllm_specgraph.patches.v1.worker.gpu.cudagraph_utils import install
+
+    env = vllm_env
+    calls = []
+
+    def vllm_profile(runner):
+        calls.append(runner)
+        return 7
+
+    monkeypatch.setattr(env.cudagraph_utils, "profile_cudagraph_memory", vllm_profile)
+    patches = PatchSet()
+    install(patches, env.cudagraph_utils)
+    monkeypatch.setenv("VLLM_SPECGRAPH_PROFILE", "extrapolate")
+    runner = _runner(env)
+    assert env.cudagraph_utils.profile_cudagraph_memory(runner) == 7
+    assert calls == [runner]
+    monkeypatch.setenv("VLLM_SPECGRAPH_PROFILE", "exactly")
+    with pytest.raises(ValueError, match=r"VLLM_SPECGRAPH_PROFILE='exactly'.*'exact'"):
+        env.cudagraph_utils.profile_cudagraph_memory(runner)
+    patches.undo()

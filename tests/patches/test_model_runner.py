@@ -1,0 +1,115 @@
+"""The model_runner patch: every speculator phase in the draft lane, per-owner capture.
+
+Speculator classes are vLLM 0.33.0's own; their methods are overridden by
+probes that record the lane, because running them needs a GPU and a model.
+"""
+
+import importlib
+import inspect
+
+import pytest
+
+from vllm_specgraph.lanes import current_owner
+
+pytestmark = pytest.mark.vllm
+
+SPECULATORS = [
+    ("eagle.speculator", "EagleSpeculator"),
+    ("mtp.speculator", "MTPSpeculator"),
+    ("gemma4.speculator", "Gemma4Speculator"),
+    ("multi_module_mtp.speculator", "MultiModuleMTPSpeculator"),
+    ("dflash.speculator", "DFlashSpeculator"),
+    ("dflash2.speculator", "DFlash2Speculator"),
+    ("lilicorr.speculator", "LiLiCorrSpeculator"),
+    ("xpress.speculator", "XPressSpeculator"),
+    ("dspark.speculator", "DSparkSpeculator"),
+    ("standalone_ar.speculator", "StandaloneARSpeculator"),
+    ("ngram.speculator", "NgramGPUSpeculator"),
+    ("extract_hidden_states", "ExtractHiddenStatesSpeculator"),
+]
+PHASES = {"init_cudagraph_manager", "capture", "propose"}
+DRAFT_MODEL_PHASES = {"load_model", "set_attn", "observe_verification", "prepare_watermarking"}
+
+
+def _probe_class(cls: type) -> tuple[type, list]:
+    """A subclass of ``cls`` whose public methods record the lane they run in."""
+    calls: list = []
+
+    def recorder(name):
+        def method(self, *args, **kwargs):
+            calls.append((name, current_owner()))
+
+        return method
+
+    public = [n for n, _ in inspect.getmembers(cls, inspect.isfunction) if not n.startswith("_")]
+    return type(f"Probe{cls.__name__}", (cls,), {n: recorder(n) for n in public}), calls
+
+
+@pytest.mark.parametrize(("module", "name"), SPECULATORS)
+def test_run_speculator_in_draft_lane_every_public_method_of_real_class(module, name):
+    from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
+
+    from vllm_specgraph.patches.v1.worker.gpu.model_runner import run_speculator_in_draft_lane
+
+    cls = getattr(importlib.import_module(f"vllm.v1.worker.gpu.spec_decode.{module}"), name)
+    probe_cls, calls = _probe_class(cls)
+    speculator = run_speculator_in_draft_lane(probe_cls.__new__(probe_cls))
+    public = {n for n, _ in inspect.getmembers(cls, inspect.isfunction) if not n.startswith("_")}
+    expected = PHASES | (DRAFT_MODEL_PHASES if issubclass(cls, DraftModelSpeculator) else set())
+    assert expected <= public, f"{name} lacks phases {expected - public}"
+    for method in sorted(public):
+        getattr(speculator, method)()
+    assert calls == [(method, 1) for method in sorted(public)]
+    assert current_owner() == "target"
+
+
+def test_init_speculator_builds_in_draft_lane_and_wraps(install_patch, monkeypatch):
+    import vllm.v1.worker.gpu.model_runner as model_runner
+    from vllm.v1.worker.gpu.spec_decode.ngram.speculator import NgramGPUSpeculator
+
+    probe_cls, calls = _probe_class(NgramGPUSpeculator)
+    built_in = []
+
+    def fake_init_speculator(vllm_config, device, req_states):
+        built_in.append(current_owner())
+        return probe_cls.__new__(probe_cls)
+
+    monkeypatch.setattr(model_runner, "init_speculator", fake_init_speculator)
+    install_patch("vllm.v1.worker.gpu.cudagraph_utils")
+    install_patch("vllm.v1.worker.gpu.model_runner")
+    speculator = model_runner.init_speculator(None, "cpu", None)
+    speculator.propose()
+    assert built_in == [1] and calls == [("propose", 1)]
+
+
+def test_install_sets_every_by_value_name_and_undo_restores(install_patch):
+    import vllm.v1.worker.gpu.cudagraph_utils as cudagraph_utils
+    import vllm.v1.worker.gpu.model_runner as model_runner
+
+    names = ("init_speculator", "refresh_quantized_lm_heads", "_profile_cudagraph_memory")
+    before = {n: getattr(model_runner, n) for n in names}
+    init_before = model_runner.GPUModelRunner.__init__
+    from vllm_specgraph.patches._patching import PatchSet
+    from vllm_specgraph.patches.v1.worker.gpu import cudagraph_utils as profile_patch
+    from vllm_specgraph.patches.v1.worker.gpu import model_runner as runner_patch
+
+    patches = PatchSet()
+    profile_patch.install(patches, cudagraph_utils)
+    runner_patch.install(patches, model_runner)
+    assert model_runner._profile_cudagraph_memory is cudagraph_utils.profile_cudagraph_memory
+    assert all(getattr(model_runner, n) is not before[n] for n in names)
+    patches.undo()
+    assert {n: getattr(model_runner, n) for n in names} == before
+    assert model_runner.GPUModelRunner.__init__ is init_before
+
+
+def test_install_model_runner_before_profile_patch_refused():
+    import vllm.v1.worker.gpu.model_runner as model_runner
+
+    from vllm_specgraph.patches._patching import PatchSet
+    from vllm_specgraph.patches.v1.worker.gpu import model_runner as runner_patch
+
+    patches = PatchSet()
+    with pytest.raises(RuntimeError, match="cudagraph_utils must be patched before"):
+        runner_patch.install(patches, model_runner)
+    assert patches.names == ()

@@ -1,0 +1,80 @@
+"""The workspace patch on vLLM 0.33.0's own workspace module (CPU tensors)."""
+
+import threading
+
+import pytest
+import torch
+
+from vllm_specgraph.lanes import LaneWorkspace
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture
+def workspace(install_patch):
+    module = install_patch("vllm.v1.worker.workspace")
+    saved = module._manager
+    yield module
+    module._manager = saved
+
+
+def test_init_workspace_manager_builds_the_core_workspace_with_vllm_arguments(workspace):
+    workspace.init_workspace_manager(torch.device("cpu"), None, 2)
+    manager = workspace.current_workspace_manager()
+    assert isinstance(manager, LaneWorkspace)
+    assert (manager.num_ubatches, manager.num_lanes) == (1, 2)
+    assert manager.owner_lanes == {"target": 0, "draft": 1}
+
+
+def test_use_workspace_lane_selects_the_core_lane_and_growth_retires(workspace):
+    workspace.init_workspace_manager(torch.device("cpu"), 1, 2)
+    manager = workspace.current_workspace_manager()
+    (target,) = manager.get_simultaneous(((64,), torch.float32))
+    with workspace.use_workspace_lane(1):
+        (draft,) = manager.get_simultaneous(((64,), torch.float32))
+        (grown,) = manager.get_simultaneous(((4096,), torch.float32))
+    assert target.data_ptr() != draft.data_ptr()
+    assert manager.usage()["draft"].retired_bytes > 0, "vLLM freed here; the core retires"
+    assert grown.numel() == 4096
+
+
+def test_lane_beyond_configured_raises_naming_the_fix(workspace):
+    workspace.init_workspace_manager(torch.device("cpu"), 1, 1)
+    manager = workspace.current_workspace_manager()
+    with workspace.use_workspace_lane(1), pytest.raises(RuntimeError, match="num_lanes>=2"):
+        manager.get_simultaneous(((4,), torch.float32))
+
+
+def test_ubatch_slot_follows_vllm_dbo_context(workspace, monkeypatch):
+    import vllm.v1.worker.ubatching as ubatching
+
+    workspace.init_workspace_manager(torch.device("cpu"), 2, 1)
+    manager = workspace.current_workspace_manager()
+    (first,) = manager.get_simultaneous(((64,), torch.float32))
+    # What vLLM's ubatch context records for a micro-batch thread it registers.
+    monkeypatch.setitem(ubatching._THREAD_ID_TO_CONTEXT, threading.get_ident(), 1)
+    (second,) = manager.get_simultaneous(((64,), torch.float32))
+    assert first.data_ptr() != second.data_ptr()
+
+
+def test_lock_workspace_then_growth_raises_assertion_like_vllm(workspace):
+    workspace.init_workspace_manager(torch.device("cpu"), 1, 1)
+    workspace.current_workspace_manager().get_simultaneous(((8,), torch.float32))
+    workspace.lock_workspace()
+    assert workspace.current_workspace_manager().is_locked()
+    with pytest.raises(AssertionError, match="workspace is locked"):
+        workspace.current_workspace_manager().get_simultaneous(((1024,), torch.float32))
+
+
+def test_undo_restores_vllm_manager_and_lane_selector(install_patch):
+    import vllm.v1.worker.workspace as module
+
+    original = (module.WorkspaceManager, module.use_workspace_lane)
+    from vllm_specgraph.patches._patching import PatchSet
+    from vllm_specgraph.patches.v1.worker.workspace import install
+
+    patches = PatchSet()
+    install(patches, module)
+    assert module.WorkspaceManager is not original[0]
+    patches.undo()
+    assert (module.WorkspaceManager, module.use_workspace_lane) == original

@@ -1,0 +1,81 @@
+"""The patch set for vLLM 0.33: one module per vLLM module it patches, at the same path.
+
+:func:`arm` registers every patch to be installed when vLLM imports its
+module (at once if it already has). :data:`PATCHES` is the table of what is
+patched and why; each patch module's docstring says what vLLM does, what the
+patch changes and why.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from vllm_specgraph.patches._patching import PatchSet, when_imported
+
+__all__ = ["PATCHES", "Patch", "arm"]
+
+
+@dataclass(frozen=True)
+class Patch:
+    vllm_module: str
+    symbols: tuple[str, ...]
+    reason: str
+
+    @property
+    def patch_module(self) -> str:
+        return "vllm_specgraph.patches." + self.vllm_module.removeprefix("vllm.")
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "vllm.v1.worker.workspace",
+        ("WorkspaceManager", "use_workspace_lane"),
+        "one lane workspace (the core's): growth retires instead of freeing, "
+        "and never lands in a capturing graph's pool",
+    ),
+    Patch(
+        "vllm.v1.worker.gpu_worker",
+        (
+            "_num_workspace_lanes",
+            "Worker._start_weight_update",
+            "Worker.update_weights",
+            "Worker.finish_weight_update",
+        ),
+        "two lanes for every speculative method; draft weight updates in the draft lane",
+    ),
+    Patch(
+        "vllm.v1.worker.gpu.ubatch_utils",
+        ("threading.Thread",),
+        "micro-batch threads keep the lane of the code that starts them",
+    ),
+    Patch(
+        "vllm.v1.worker.gpu.cudagraph_utils",
+        ("profile_cudagraph_memory",),
+        "exact disposable profile of every graph, per owner, nothing left taken",
+    ),
+    Patch(
+        "vllm.v1.worker.gpu.model_runner",
+        (
+            "GPUModelRunner.__init__",
+            "GPUModelRunner.capture_model",
+            "init_speculator",
+            "refresh_quantized_lm_heads",
+            "use_workspace_lane",
+            "_profile_cudagraph_memory",
+        ),
+        "every speculator phase in the draft lane; the exact profile; "
+        "production capture measured per owner against the estimate",
+    ),
+)
+
+
+def arm(patches: PatchSet) -> None:
+    """Install each patch into ``patches`` when vLLM imports its module.
+
+    The order of :data:`PATCHES` is the order of vLLM's own imports
+    (``model_runner`` imports ``cudagraph_utils`` and ``workspace``).
+    """
+    for patch in PATCHES:
+        install = importlib.import_module(patch.patch_module).install
+        when_imported(patch.vllm_module, lambda module, install=install: install(patches, module))

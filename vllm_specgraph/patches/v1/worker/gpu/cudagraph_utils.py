@@ -1,0 +1,224 @@
+"""Patch for ``vllm.v1.worker.gpu.cudagraph_utils`` (vLLM 0.33.0).
+
+vLLM does: ``profile_cudagraph_memory`` swaps the global graph pool for a
+throwaway one, builds a minimal KV cache, captures PIECEWISE, encoder and
+speculator graphs in full but only the two largest FULL graphs, and
+extrapolates the rest (``first + (N-1) * max(second, 1 MiB)``). It clears the
+wrappers' graphs before synchronising, restores the pools only of wrappers
+that existed before it ran, finds speculator graph managers by scanning the
+speculator's attributes, and leaves the profile's capture streams' cuBLAS
+workspaces taken (32 MiB per graph manager).
+
+This patch changes: ``profile_cudagraph_memory`` runs ``capture_model`` once
+over every graph production will capture, inside the core's
+:func:`~vllm_specgraph.profile.disposable_graph_pass`, and returns vLLM's own
+measure of it; the draft's share is read around the speculator's capture.
+Teardown, on success and on error: synchronise, destroy every graph (wrappers,
+speculator managers through their own ``init_cudagraph_manager``, the runner's
+profiling state) while the private pool is still the global one, free the
+capture streams' cuBLAS workspaces, give production pools back to every
+wrapper (also those made during the profile), roll the workspace lanes back
+(buffers and lock), release the pool. ``VLLM_SPECGRAPH_PROFILE=extrapolate``
+selects vLLM's estimator instead.
+
+Why: the estimate is what the KV-cache budget leaves for graphs; a sample
+and a formula under-count by a fifth on a 1B model (the KV cache is sized too
+large) and over-count on small ones, and bytes the profile leaves behind are
+lost to the KV cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm_specgraph.lanes import LaneWorkspace
+from vllm_specgraph.patches._patching import PatchSet
+from vllm_specgraph.profile import (
+    GraphMemoryReport,
+    disposable_graph_pass,
+    release_capture_stream_workspaces,
+    settled_free_bytes,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+__all__ = ["PROFILE_MODES", "exact_cudagraph_memory", "install", "profile_mode"]
+
+logger = logging.getLogger("vllm.specgraph")
+
+PROFILE_MODES = ("exact", "extrapolate")
+"""Values of ``VLLM_SPECGRAPH_PROFILE``: the plugin's profile (default) or vLLM's."""
+
+_MIB = 1 << 20
+
+
+def profile_mode() -> str:
+    """``VLLM_SPECGRAPH_PROFILE``, checked: ``exact`` unless set."""
+    mode = os.environ.get("VLLM_SPECGRAPH_PROFILE", "exact")
+    if mode not in PROFILE_MODES:
+        raise ValueError(
+            f"VLLM_SPECGRAPH_PROFILE={mode!r} is not a profile mode; use one of {PROFILE_MODES}"
+        )
+    return mode
+
+
+def exact_cudagraph_memory(runner: GPUModelRunner) -> GraphMemoryReport:
+    """Capture every graph ``runner.capture_model()`` will capture, measure, give it all back.
+
+    *Requires*: called before the KV cache exists and before any graph was
+    captured (``Worker.determine_available_memory``); no capture is active.
+    *Guarantees*, on success and on error: the runner's KV and graph state is
+    torn down as vLLM's own profile leaves it, every graph wrapper and the
+    global graph pool hold the production pool, the workspace lanes hold what
+    they held before, and no cuBLAS workspace of a profiling stream is left.
+    """
+    from vllm.compilation.counter import compilation_counter
+    from vllm.compilation.cudagraph_pool import capture_outside_cumem_pool
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.worker.gpu.cudagraph_utils import _init_minimal_kv_cache_for_profiling
+    from vllm.v1.worker.workspace import current_workspace_manager
+
+    from vllm_specgraph.patches.v1.worker.gpu.model_runner import CaptureMeter, metering
+
+    started = time.perf_counter()
+    workspace = current_workspace_manager()
+    if not isinstance(workspace, LaneWorkspace):
+        raise RuntimeError(
+            f"the workspace manager is a {type(workspace).__name__}, not the plugin's "
+            "LaneWorkspace; the workspace patch must be installed before the worker starts"
+        )
+    # No graph exists yet, so nothing can still point into a retired buffer.
+    workspace.release_retired()
+    torch.cuda.synchronize()
+    release_capture_stream_workspaces()
+    free_before = settled_free_bytes()
+    counters = (
+        compilation_counter.num_cudagraph_captured,
+        compilation_counter.num_gpu_runner_capture_triggers,
+    )
+    try:
+        with disposable_graph_pass(
+            workspace=workspace, redirect_pools=_pools_redirected
+        ) as disposable:
+            disposable.on_destroy(lambda: _destroy_profiling_graphs(runner))
+            disposable.on_destroy(release_capture_stream_workspaces)
+            with set_current_vllm_config(runner.vllm_config):
+                _init_minimal_kv_cache_for_profiling(runner)
+            # Production's own path, adaptive-verification runs and lock included
+            # (the pass restores the lock): what it measures is what production does.
+            with capture_outside_cumem_pool(), metering(CaptureMeter()) as meter:
+                total = int(runner.capture_model(profile_only=False))
+            num_graphs = compilation_counter.num_cudagraph_captured - counters[0]
+    finally:
+        (
+            compilation_counter.num_cudagraph_captured,
+            compilation_counter.num_gpu_runner_capture_triggers,
+        ) = counters
+    return GraphMemoryReport(
+        owners=meter.owners(total, num_graphs),
+        one_time_bytes=0,
+        transient_peak_bytes=0,
+        retained_bytes=free_before - settled_free_bytes(),
+        retained_allocator_bytes=0,
+        wall_seconds=time.perf_counter() - started,
+    )
+
+
+@contextmanager
+def _pools_redirected(pool: tuple[int, int]) -> Iterator[None]:
+    """Make ``pool`` the global graph pool and every graph wrapper's pool, for the block.
+
+    On exit the global pool is restored, every wrapper that existed gets its
+    pool back, and a wrapper made during the block gets the production pool.
+    """
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+    from vllm.platforms import current_platform
+
+    def wrappers() -> list[Any]:
+        return [*CUDAGraphWrapper._all_instances, *BreakableCUDAGraphWrapper._all_instances]
+
+    platform_cls = type(current_platform)
+    saved_global = platform_cls._global_graph_pool
+    saved = {id(w): (w, w.graph_pool) for w in wrappers()}
+    platform_cls._global_graph_pool = pool
+    try:
+        for wrapper, _ in saved.values():
+            wrapper.graph_pool = pool
+        yield
+    finally:
+        platform_cls._global_graph_pool = saved_global
+        for wrapper in wrappers():
+            if id(wrapper) in saved:
+                wrapper.graph_pool = saved[id(wrapper)][1]
+            elif wrapper.graph_pool == pool:
+                wrapper.graph_pool = current_platform.get_global_graph_pool()
+
+
+def _destroy_profiling_graphs(runner: GPUModelRunner) -> None:
+    """Drop every graph the profile captured, and the profiling KV state."""
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import _teardown_profiling_state
+
+    CUDAGraphWrapper.clear_all_graphs()
+    BreakableCUDAGraphWrapper.clear_all_graphs()
+    if runner.speculator is not None:
+        # The speculator's own way to replace its graph managers; the real
+        # initialize_kv_cache builds the production ones.
+        runner.speculator.init_cudagraph_manager(CUDAGraphMode.NONE)
+    _teardown_profiling_state(runner)
+
+
+def _profile_cudagraph_memory(upstream: Callable[[Any], int]) -> Callable[[Any], int]:
+    def profile_cudagraph_memory(runner: GPUModelRunner) -> int:
+        """vLLM's graph-memory estimate entry point, answered by the exact profile."""
+        from vllm.config.compilation import CUDAGraphMode
+
+        if profile_mode() == "extrapolate":
+            return upstream(runner)
+        if (
+            runner.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+            and not runner.needs_cudagraph_capture()
+        ):
+            return 0
+        from vllm_specgraph.patches.v1.worker.gpu.model_runner import SpecgraphCapture
+
+        report = exact_cudagraph_memory(runner)
+        runner.specgraph_profile = SpecgraphCapture(estimate=report)
+        logger.info(
+            "vllm-specgraph: CUDA graph memory profile: %s; total %.1f MiB in %d graphs; "
+            "%.2f MiB left taken after the profile; %.2f s",
+            ", ".join(
+                f"{o.owner} {o.driver_bytes / _MIB:.1f} MiB ({o.num_graphs} graphs)"
+                for o in report.owners
+            ),
+            report.total_driver_bytes / _MIB,
+            sum(o.num_graphs for o in report.owners),
+            report.retained_bytes / _MIB,
+            report.wall_seconds,
+        )
+        return report.total_driver_bytes
+
+    profile_cudagraph_memory.__specgraph__ = True
+    return profile_cudagraph_memory
+
+
+def install(patches: PatchSet, cudagraph_utils: ModuleType) -> None:
+    upstream = cudagraph_utils.profile_cudagraph_memory
+    patches.replace(
+        cudagraph_utils,
+        "profile_cudagraph_memory",
+        _profile_cudagraph_memory(upstream),
+        parameters=("runner",),
+    )

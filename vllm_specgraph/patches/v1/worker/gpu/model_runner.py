@@ -1,0 +1,258 @@
+"""Patch for ``vllm.v1.worker.gpu.model_runner`` (vLLM 0.33.0).
+
+vLLM does: ``GPUModelRunner`` runs the speculator in workspace lane 1 only for
+DSpark (``_draft_workspace_lane``), and even then leaves some draft phases in
+lane 0 (construction, ``set_attn`` and ``init_cudagraph_manager`` in
+``initialize_kv_cache``, the LoRA-state refresh of the draft head). Its graph
+memory profile is ``_profile_cudagraph_memory``, a by-value alias of
+``cudagraph_utils.profile_cudagraph_memory``.
+
+This patch changes: with any speculative method, the speculator is built in
+the draft lane and every public method of it runs there (``use_workspace_lane``
+and ``lock_workspace`` keep working, now on the core workspace); the draft-head
+refresh runs there too. ``_profile_cudagraph_memory`` is the exact disposable
+profile of :mod:`vllm_specgraph.patches.v1.worker.gpu.cudagraph_utils`, and
+``capture_model`` measures the production capture per owner the same way and
+logs it against the profile's estimate.
+
+Why: a speculator phase in lane 0 takes views of, or grows, the target's
+buffer, under the target's captured graphs; an estimate is only worth the
+KV-cache bytes it frees if it is checked against what production took.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import torch
+
+from vllm_specgraph.lanes import DEFAULT_OWNER_LANES, use_lane
+from vllm_specgraph.patches._patching import PatchSet
+from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory
+
+__all__ = ["CaptureMeter", "install", "run_speculator_in_draft_lane"]
+
+logger = logging.getLogger("vllm.specgraph")
+
+DRAFT_LANE = DEFAULT_OWNER_LANES["draft"]
+_MIB = 1 << 20
+
+
+@dataclass
+class CaptureMeter:
+    """Bytes and graphs that each owner's part of one ``capture_model`` call took.
+
+    Read the way ``capture_model`` reads its own total: synchronise, then
+    driver-level free memory, no cache flush, so that the owners add up to
+    vLLM's figure. Owners not measured explicitly get the rest (``target``).
+    """
+
+    driver_bytes: dict[str, int] = field(default_factory=dict)
+    num_graphs: dict[str, int] = field(default_factory=dict)
+
+    @contextmanager
+    def measure(self, owner: str) -> Iterator[None]:
+        from vllm.compilation.counter import compilation_counter
+
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        graphs_before = compilation_counter.num_cudagraph_captured
+        try:
+            yield
+        finally:
+            torch.cuda.synchronize()
+            taken = free_before - torch.cuda.mem_get_info()[0]
+            graphs = compilation_counter.num_cudagraph_captured - graphs_before
+            self.driver_bytes[owner] = self.driver_bytes.get(owner, 0) + taken
+            self.num_graphs[owner] = self.num_graphs.get(owner, 0) + graphs
+
+    def owners(self, total_bytes: int, total_graphs: int) -> tuple[OwnerMemory, ...]:
+        """``target`` (the rest of the totals) first, then each measured owner."""
+        measured = [OwnerMemory(o, self.num_graphs[o], b, 0) for o, b in self.driver_bytes.items()]
+        rest = OwnerMemory(
+            "target",
+            total_graphs - sum(m.num_graphs for m in measured),
+            total_bytes - sum(m.driver_bytes for m in measured),
+            0,
+        )
+        return (rest, *measured)
+
+
+_active_meter: ContextVar[CaptureMeter | None] = ContextVar("specgraph_capture_meter", default=None)
+
+
+@contextmanager
+def metering(meter: CaptureMeter) -> Iterator[CaptureMeter]:
+    """Let speculator captures inside the block report into ``meter``."""
+    token = _active_meter.set(meter)
+    try:
+        yield meter
+    finally:
+        _active_meter.reset(token)
+
+
+def _in_draft_lane(method: Callable, name: str) -> Callable:
+    @functools.wraps(method)
+    def in_draft_lane(*args, **kwargs):
+        meter = _active_meter.get() if name == "capture" else None
+        with use_lane(DRAFT_LANE), meter.measure("draft") if meter else nullcontext():
+            return method(*args, **kwargs)
+
+    in_draft_lane.__specgraph_lane__ = DRAFT_LANE
+    return in_draft_lane
+
+
+def run_speculator_in_draft_lane(speculator: object) -> object:
+    """Make every public method of ``speculator`` run in the draft lane; returns it.
+
+    Methods are wrapped on the instance, so every speculator class (EAGLE, MTP,
+    DFlash family, draft model, ngram, ...) is covered, including methods a
+    subclass adds. ``capture`` also reports its bytes to an active
+    :class:`CaptureMeter`.
+    """
+    for name, _ in inspect.getmembers(type(speculator), inspect.isfunction):
+        if not name.startswith("_"):
+            setattr(speculator, name, _in_draft_lane(getattr(speculator, name), name))
+    return speculator
+
+
+@dataclass
+class SpecgraphCapture:
+    """What the plugin measured for one runner: the profile's estimate and the actual."""
+
+    estimate: GraphMemoryReport
+    capture_wall_seconds: float | None = None
+    actual: tuple[OwnerMemory, ...] | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        from dataclasses import asdict
+
+        return {
+            "estimate": asdict(self.estimate),
+            "estimate_total_bytes": self.estimate.total_driver_bytes,
+            "actual": None if self.actual is None else [asdict(o) for o in self.actual],
+            "actual_total_bytes": None
+            if self.actual is None
+            else sum(o.driver_bytes for o in self.actual),
+            "capture_wall_seconds": self.capture_wall_seconds,
+        }
+
+
+def _wrap_init(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs) -> None:
+        original(self, *args, **kwargs)
+        if self.speculative_config is not None:
+            self._draft_workspace_lane = DRAFT_LANE
+
+    return __init__
+
+
+def _wrap_init_speculator(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def init_speculator(*args, **kwargs):
+        with use_lane(DRAFT_LANE):
+            return run_speculator_in_draft_lane(original(*args, **kwargs))
+
+    return init_speculator
+
+
+def _wrap_draft_call(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def in_draft_lane(*args, **kwargs):
+        with use_lane(DRAFT_LANE):
+            return original(*args, **kwargs)
+
+    return in_draft_lane
+
+
+def _wrap_capture_model(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def capture_model(self, *, profile_only: bool = False) -> int:
+        outcome: SpecgraphCapture | None = getattr(self, "specgraph_profile", None)
+        if profile_only or outcome is None or _active_meter.get() is not None:
+            return original(self, profile_only=profile_only)
+        from vllm.compilation.counter import compilation_counter
+
+        graphs_before = compilation_counter.num_cudagraph_captured
+        started = time.perf_counter()
+        with metering(CaptureMeter()) as meter:
+            total = original(self, profile_only=profile_only)
+        outcome.capture_wall_seconds = time.perf_counter() - started
+        outcome.actual = meter.owners(
+            int(total), compilation_counter.num_cudagraph_captured - graphs_before
+        )
+        _log_estimate_vs_actual(outcome)
+        return total
+
+    return capture_model
+
+
+def _log_estimate_vs_actual(outcome: SpecgraphCapture) -> None:
+    estimated = {o.owner: o.driver_bytes for o in outcome.estimate.owners}
+    parts = []
+    for actual in outcome.actual or ():
+        estimate = estimated.get(actual.owner, 0)
+        parts.append(
+            f"{actual.owner} {estimate / _MIB:.1f} vs {actual.driver_bytes / _MIB:.1f} MiB"
+        )
+    total_actual = sum(o.driver_bytes for o in outcome.actual or ())
+    total_estimate = outcome.estimate.total_driver_bytes
+    logger.info(
+        "vllm-specgraph: CUDA graph memory, estimate vs actual: %s; total %.1f vs %.1f MiB "
+        "(%+.2f%%); production capture %.2f s, profile %.2f s (%.2fx)",
+        ", ".join(parts),
+        total_estimate / _MIB,
+        total_actual / _MIB,
+        100.0 * (total_estimate - total_actual) / max(total_actual, 1),
+        outcome.capture_wall_seconds,
+        outcome.estimate.wall_seconds,
+        outcome.estimate.wall_seconds / max(outcome.capture_wall_seconds or 0.0, 1e-9),
+    )
+
+
+def install(patches: PatchSet, model_runner: ModuleType) -> None:
+    from vllm.v1.worker.gpu import cudagraph_utils
+
+    profile = cudagraph_utils.profile_cudagraph_memory
+    if not getattr(profile, "__specgraph__", False):
+        raise RuntimeError(
+            "vllm-specgraph: cudagraph_utils must be patched before model_runner; "
+            "install the patches through vllm_specgraph.patches.arm()"
+        )
+    runner = model_runner.GPUModelRunner
+    patches.replace(
+        runner, "__init__", _wrap_init(vars(runner)["__init__"]), parameters=("vllm_config",)
+    )
+    patches.replace(
+        runner,
+        "capture_model",
+        _wrap_capture_model(vars(runner)["capture_model"]),
+        parameters=("profile_only",),
+    )
+    patches.replace(
+        model_runner,
+        "init_speculator",
+        _wrap_init_speculator(model_runner.init_speculator),
+        parameters=("vllm_config",),
+    )
+    patches.replace(
+        model_runner,
+        "refresh_quantized_lm_heads",
+        _wrap_draft_call(model_runner.refresh_quantized_lm_heads),
+    )
+    patches.replace(model_runner, "use_workspace_lane", use_lane, parameters=("lane",))
+    patches.replace(
+        model_runner,
+        "_profile_cudagraph_memory",
+        profile,
+        parameters=("runner",),
+    )

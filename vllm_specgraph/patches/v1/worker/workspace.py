@@ -1,0 +1,71 @@
+"""Patch for ``vllm.v1.worker.workspace`` (vLLM 0.33.0).
+
+vLLM does: ``WorkspaceManager`` keeps one scratch buffer per (ubatch, lane),
+selected by its own ``use_workspace_lane``; growth frees the old buffer at
+once (``del`` + ``empty_cache``), although captured graphs may still point
+into it, and a growth during a capture lands in that graph's pool.
+
+This patch changes: ``WorkspaceManager`` is the core's
+:class:`~vllm_specgraph.lanes.LaneWorkspace` (same interface), and
+``use_workspace_lane`` is the core's :func:`~vllm_specgraph.lanes.use_lane`,
+so there is one workspace and one lane selector. Growth retires the old
+buffer instead of freeing it and allocates outside any capturing pool.
+
+Why: a freed buffer that a captured graph still reads is reused by the next
+allocation, and target replays read foreign data; a buffer grown inside the
+throwaway profiling pool dies with that pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from types import ModuleType
+
+import torch
+
+from vllm_specgraph.lanes import DEFAULT_OWNER_LANES, LaneWorkspace, use_lane
+from vllm_specgraph.patches._patching import PatchSet
+
+__all__ = ["LaneWorkspaceManager", "install"]
+
+
+class LaneWorkspaceManager(LaneWorkspace):
+    """:class:`LaneWorkspace` built the way vLLM builds its ``WorkspaceManager``.
+
+    The ubatch comes from vLLM's dual-batch-overlap context; owners are named
+    for the lanes configured (``target`` 0, ``draft`` 1 when there are two).
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        num_ubatches: int | None = None,
+        num_lanes: int = 1,
+        alloc_context: Callable[[], AbstractContextManager[object]] = nullcontext,
+    ) -> None:
+        from vllm.v1.worker.ubatching import dbo_current_ubatch_id
+
+        super().__init__(
+            device,
+            num_ubatches=num_ubatches,
+            owner_lanes={o: lane for o, lane in DEFAULT_OWNER_LANES.items() if lane < num_lanes},
+            num_lanes=num_lanes,
+            alloc_context=alloc_context,
+            ubatch_id=dbo_current_ubatch_id,
+        )
+
+    @property
+    def _device(self) -> torch.device:
+        # vLLM's init_workspace_manager logs the old manager's device by this name.
+        return self.device
+
+
+def install(patches: PatchSet, workspace: ModuleType) -> None:
+    patches.replace(
+        workspace,
+        "WorkspaceManager",
+        LaneWorkspaceManager,
+        parameters=("device", "num_ubatches", "num_lanes", "alloc_context"),
+    )
+    patches.replace(workspace, "use_workspace_lane", use_lane, parameters=("lane",))
