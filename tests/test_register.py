@@ -1,12 +1,31 @@
 """The plugin entry point, loaded the way vLLM 0.33.0 loads it."""
 
+import importlib
 import logging
 
 import pytest
 
 import vllm_specgraph
+from vllm_specgraph.patches import PATCHES
 
 pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture
+def fresh_plugin(monkeypatch):
+    """register() as in a new process; every patch it makes is undone afterwards.
+
+    The patched modules are imported first, so register() installs into them
+    at once instead of leaving import hooks behind for later tests.
+    """
+    for patch in PATCHES:
+        importlib.import_module(patch.vllm_module)
+    for name in ("VLLM_SPECGRAPH", "VLLM_SPECGRAPH_FORCE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(vllm_specgraph, "_patches", None)
+    yield
+    if vllm_specgraph._patches is not None:
+        vllm_specgraph._patches.undo()
 
 
 def test_load_plugins_by_group_finds_register():
@@ -16,17 +35,72 @@ def test_load_plugins_by_group_finds_register():
     assert plugins.get("specgraph") is vllm_specgraph.register
 
 
-def test_register_supported_version_returns_true(caplog):
-    with caplog.at_level(logging.INFO, logger="vllm_specgraph"):
-        assert vllm_specgraph.register() is True
-    assert "loaded for vLLM 0.33.0" in caplog.text
+def test_load_general_plugins_patches_vllm_and_logs_through_vllm_logger(
+    fresh_plugin, monkeypatch, capsys
+):
+    import vllm.plugins
+    import vllm.v1.worker.workspace as workspace
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging
+
+    monkeypatch.setenv("VLLM_PLUGINS", "specgraph")
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    configure_logging(LoggingConfig())  # vLLM's handler writes to the captured stdout
+    vllm.plugins.load_general_plugins()
+    line = next(x for x in capsys.readouterr().out.splitlines() if "vllm-specgraph armed" in x)
+    assert "INFO" in line and "[__init__.py" in line, f"not vLLM's log format: {line}"
+    for patch in PATCHES:
+        for symbol in patch.symbols:
+            assert f"{patch.vllm_module}.{symbol}" in line
+    assert workspace.WorkspaceManager.__module__.startswith("vllm_specgraph")
+    assert len(vllm_specgraph._patches.names) >= sum(len(p.symbols) for p in PATCHES)
 
 
-def test_register_other_version_warns_and_returns_false(monkeypatch, caplog):
+@pytest.mark.parametrize("version", ["0.33.0", "0.33.2", "0.33.0+cu129", "0.33.1rc1"])
+def test_register_supported_versions_arm_the_patches(fresh_plugin, monkeypatch, version):
     import vllm
+    import vllm.v1.worker.workspace as workspace
+
+    monkeypatch.setattr(vllm, "__version__", version)
+    assert vllm_specgraph.register() is True
+    assert workspace.WorkspaceManager.__module__.startswith("vllm_specgraph")
+    assert vllm_specgraph.register() is True, "a second call is a no-op"
+
+
+@pytest.mark.parametrize("version", ["0.34.0", "0.3.3", "0.32.9", "unknown"])
+def test_register_other_version_warns_and_patches_nothing(
+    fresh_plugin, monkeypatch, caplog, version
+):
+    import vllm
+    import vllm.v1.worker.workspace as workspace
+
+    original = workspace.WorkspaceManager
+    monkeypatch.setattr(vllm, "__version__", version)
+    with caplog.at_level(logging.WARNING, logger="vllm.specgraph"):
+        assert vllm_specgraph.register() is False
+    assert f"supports vLLM 0.33.x but found {version}" in caplog.text
+    assert "VLLM_SPECGRAPH_FORCE=1" in caplog.text
+    assert workspace.WorkspaceManager is original
+
+
+def test_register_force_patches_other_version(fresh_plugin, monkeypatch):
+    import vllm
+    import vllm.v1.worker.workspace as workspace
 
     monkeypatch.setattr(vllm, "__version__", "0.34.0")
-    with caplog.at_level(logging.WARNING, logger="vllm_specgraph"):
+    monkeypatch.setenv("VLLM_SPECGRAPH_FORCE", "1")
+    assert vllm_specgraph.register() is True
+    assert workspace.WorkspaceManager.__module__.startswith("vllm_specgraph")
+
+
+def test_register_off_switch_patches_nothing(fresh_plugin, monkeypatch, caplog):
+    import vllm.v1.worker.gpu.model_runner as model_runner
+    import vllm.v1.worker.workspace as workspace
+
+    before = (workspace.WorkspaceManager, model_runner._profile_cudagraph_memory)
+    monkeypatch.setenv("VLLM_SPECGRAPH", "0")
+    with caplog.at_level(logging.INFO, logger="vllm.specgraph"):
         assert vllm_specgraph.register() is False
-    assert "supports vLLM 0.33.0 but found 0.34.0" in caplog.text
-    assert "Install vllm==0.33.0" in caplog.text
+    assert "VLLM_SPECGRAPH=0" in caplog.text
+    assert (workspace.WorkspaceManager, model_runner._profile_cudagraph_memory) == before
+    assert vllm_specgraph._patches is None
