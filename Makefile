@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml requirements-test.txt
 	$(PIP) --upgrade pip
 	$(PIP) torch==2.13.0
 	$(PIP) --no-deps vllm==0.33.0
-	$(PIP) -r requirements-test.txt pytest==9.* ruff==0.17.* "setuptools>=64"
+	$(PIP) -r requirements-test.txt pytest==9.* ruff==0.17.* "setuptools>=77"
 	$(PIP) --no-deps --no-build-isolation -e .
 	touch $@
 
