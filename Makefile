@@ -20,13 +20,15 @@ demo:
 	fi
 
 # torch 2.13.0 is the CPU build on this machine's disk; vLLM pins torch 2.14.0
-# (CUDA, several GB), hence --no-deps and requirements-test.txt.
+# (CUDA, several GB), hence requirements-test.txt and vLLM with --no-deps. vLLM
+# comes last: once it is installed, every install that resolves dependencies
+# would report its unmet pins (torch==2.14.0, the GPU kernel packages).
 $(VENV)/.installed: pyproject.toml requirements-test.txt
 	python3 -m venv $(VENV)
 	$(PIP) --upgrade pip
 	$(PIP) torch==2.13.0
-	$(PIP) --no-deps vllm==0.33.0
 	$(PIP) -r requirements-test.txt pytest==9.* ruff==0.17.* "setuptools>=77"
+	$(PIP) --no-deps vllm==0.33.0
 	$(PIP) --no-deps --no-build-isolation -e .
 	touch $@
 
