@@ -10,23 +10,38 @@ test: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/pytest -q -rs
 
-# A python3 that already has torch (the GPU machine's) runs the demo as is;
-# elsewhere the test environment provides torch.
+# A python3 whose torch sees CUDA (the GPU machine's) runs the demo as is. With
+# nvidia-smi but no such python3, the test environment provides torch. With
+# neither, say what the demo needs and exit 2 at once, without building .venv.
 demo:
-	@if python3 -c "import torch" 2>/dev/null; then \
+	@tv=$$(python3 -c "import sys, torch; print(torch.__version__); \
+		sys.exit(0 if torch.cuda.is_available() else 3)" 2>/dev/null); rc=$$?; \
+	if [ $$rc -eq 0 ]; then \
 		PYTHONPATH=$(CURDIR) python3 -m vllm_specgraph.selfcheck; \
-	else \
+	elif command -v nvidia-smi >/dev/null 2>&1; then \
 		$(MAKE) --no-print-directory $(VENV)/.installed && $(PY) -m vllm_specgraph.selfcheck; \
+	else \
+		if [ $$rc -eq 3 ]; then found="python3 has torch $$tv, which sees no CUDA device"; \
+		elif command -v python3 >/dev/null 2>&1; then found="python3 cannot import torch"; \
+		else found="no python3 on PATH"; fi; \
+		echo "make demo needs an NVIDIA GPU with CUDA and a python3 with torch >= 2.11" >&2; \
+		echo "that sees it. Found: $$found; no nvidia-smi on PATH." >&2; \
+		echo "  CPU tests:               make test" >&2; \
+		echo "  vLLM 0.33.0 end to end:  bash scripts/device-vllm-e2e.sh on a GPU machine," >&2; \
+		echo "                           with .e2e/ from scripts/prepare-vllm-e2e.sh" >&2; \
+		exit 2; \
 	fi
 
 # torch 2.13.0 is the CPU build on this machine's disk; vLLM pins torch 2.14.0
-# (CUDA, several GB), hence --no-deps and requirements-test.txt.
+# (CUDA, several GB), hence requirements-test.txt and vLLM with --no-deps. vLLM
+# comes last: once it is installed, every install that resolves dependencies
+# would report its unmet pins (torch==2.14.0, the GPU kernel packages).
 $(VENV)/.installed: pyproject.toml requirements-test.txt
 	python3 -m venv $(VENV)
 	$(PIP) --upgrade pip
 	$(PIP) torch==2.13.0
+	$(PIP) -r requirements-test.txt pytest==9.* ruff==0.17.* "setuptools>=77"
 	$(PIP) --no-deps vllm==0.33.0
-	$(PIP) -r requirements-test.txt pytest==9.* ruff==0.17.* "setuptools>=64"
 	$(PIP) --no-deps --no-build-isolation -e .
 	touch $@
 
