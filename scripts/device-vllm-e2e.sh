@@ -53,6 +53,7 @@ for p in $PLUGIN; do
   case "$p" in off|on|none) ;; *) echo "unknown plugin switch '$p' (off, on, none)"; exit 2 ;; esac
 done
 mkdir -p "$OUTDIR"
+rm -f "$OUTDIR/skipped.txt"
 
 rm -rf "$W" && mkdir -p "$W/site" "$W/tree" "$W/cwd"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -90,6 +91,7 @@ for size in $SIZES; do
       [ "$limit" -gt "$left" ] && limit="$left"
       if [ "$limit" -lt "$MIN_RUN" ]; then
         echo "---------------- run $name: skipped, ${left} s left of BUDGET=${BUDGET}"
+        echo "$name" >> "$OUTDIR/skipped.txt"
         continue
       fi
       first=0

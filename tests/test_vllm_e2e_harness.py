@@ -388,3 +388,19 @@ def test_summarize_table_checks_and_carry_over(tmp_path, capsys):
     ]
     assert list(doc2["sizes"]) == ["tiny", "1b"]
     assert "| 1b | base |" in (res2 / "vllm_graph_memory.md").read_text()
+
+
+def test_summarize_counts_skipped_runs_as_not_run(tmp_path, capsys):
+    for plugin in ("off", "on"):
+        _write(
+            tmp_path,
+            fake_run(
+                "tiny", "base", plugin, est=MiB, retained=0, actual=MiB, kv=1 << 30, tokens=[[1]]
+            ),
+        )
+    (tmp_path / "skipped.txt").write_text("tiny-ngram-off\ntiny-ngram-on\n")
+    assert summarize.main([str(tmp_path)]) == 1
+    doc = json.loads((tmp_path / "bench" / "results" / "vllm_graph_memory.json").read_text())
+    assert doc["skipped"] == ["tiny-ngram-off", "tiny-ngram-on"]
+    assert [r["status"] for r in doc["rows"]] == ["PASS"]
+    assert "skipped for lack of time: tiny-ngram-off tiny-ngram-on" in capsys.readouterr().out

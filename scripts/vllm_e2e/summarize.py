@@ -6,12 +6,14 @@ side by side per (size, case), checked against the targets.
     python3 summarize.py OUTDIR [--results DIR] [--previous FILE]
 
 Reads every OUTDIR/*.json written by run_llm.py (SIZE-CASE-PLUGIN.json, and the
-older CASE.json of runs with plugins off) and the .log next to it. Writes
-DIR/vllm_graph_memory.json and DIR/vllm_graph_memory.md (DIR defaults to
-OUTDIR/bench/results). With --previous, the rows of sizes that this OUTDIR has
-no run for are carried over from that earlier vllm_graph_memory.json, with the
-date and machine they were measured on, so that two invocations (one per size)
-end in one table. Exits 0 only if every run ran and every row passed.
+older CASE.json of runs with plugins off) and the .log next to it. Runs named in
+OUTDIR/skipped.txt (the device script's runs that did not fit its time budget)
+count as not run. Writes DIR/vllm_graph_memory.json and DIR/vllm_graph_memory.md
+(DIR defaults to OUTDIR/bench/results). With --previous, the rows of sizes that
+this OUTDIR has no run for are carried over from that earlier
+vllm_graph_memory.json, with the date and machine they were measured on, so that
+two invocations (one per size) end in one table. Exits 0 only if every run ran
+and every row passed.
 """
 
 from __future__ import annotations
@@ -353,9 +355,10 @@ def print_run(key: Key, r: Run) -> None:
                 print(f"    vllm: {mm.strip()[:160]}")
 
 
-def compare_tokens(runs: dict[Key, Run]) -> bool:
-    """Speculative outputs against the baseline of the same size and switch."""
-    all_eq = True
+def compare_tokens(runs: dict[Key, Run]) -> bool | None:
+    """Speculative outputs against the baseline of the same size and switch; None
+    when there was nothing to compare."""
+    all_eq: bool | None = None
     for size in SIZES:
         for switch in ("off", "on", "none"):
             base = runs.get((size, "base", switch))
@@ -368,7 +371,7 @@ def compare_tokens(runs: dict[Key, Run]) -> bool:
                 r = runs.get((size, case, switch))
                 if r and r.get("ok"):
                     same = r["tokens"] == bt
-                    all_eq = all_eq and same
+                    all_eq = same if all_eq is None else all_eq and same
                     diff = [
                         i for i, (a, b) in enumerate(zip(bt, r["tokens"], strict=False)) if a != b
                     ]
@@ -476,6 +479,9 @@ def markdown(doc: dict) -> str:
     for row in doc["rows"]:
         out.append("| " + " | ".join(row_cells(row)) + " |")
     out.append("")
+    if doc.get("skipped"):
+        out.append(f"Not run (the script's time budget ran out): {', '.join(doc['skipped'])}.")
+        out.append("")
     t = doc["targets"]
     out.append(
         f"Check (plugin on): |estimate - actual| <= max({t['estimate_tolerance_fraction']:.0%}"
@@ -507,6 +513,11 @@ def main(argv: list[str] | None = None) -> int:
     results_dir = args.results or os.path.join(outdir, "bench", "results")
 
     runs = load_runs(outdir)
+    skipped: list[str] = []
+    skipped_txt = os.path.join(outdir, "skipped.txt")
+    if os.path.exists(skipped_txt):
+        with open(skipped_txt) as f:
+            skipped = [line.strip() for line in f if line.strip()]
     print("=" * 72)
     print("vLLM 0.33.0 end-to-end on the GPU (MRV2, FULL CUDA graphs, Triton attention)")
     print("=" * 72)
@@ -538,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         "sizes": {s: size_meta(s, runs, outdir) for s in sizes_here},
         "rows": rows,
         "runs": [compact_run(k, r) for k, r in sorted(runs.items())],
+        "skipped": skipped,
     }
     if args.previous and os.path.exists(args.previous):
         with open(args.previous) as f:
@@ -574,7 +586,9 @@ def main(argv: list[str] | None = None) -> int:
         f.write(markdown(doc))
     print(f"wrote {jpath} and {mpath} ({len(doc['rows'])} rows)")
 
-    ran = bool(runs) and all(r.get("ok") for r in runs.values())
+    if skipped:
+        print(f"skipped for lack of time: {' '.join(skipped)}")
+    ran = bool(runs) and not skipped and all(r.get("ok") for r in runs.values())
     mine = [r for r in doc["rows"] if r["size"] in sizes_here]
     passed = sum(r["pass"] for r in mine)
     print(
