@@ -14,8 +14,8 @@ pyproject.toml instead, and the script says so.
 
 The check runs in a fresh interpreter whose only extra path is SITE and whose
 working directory is outside the repository: exactly one ``specgraph`` entry
-point, its distribution under SITE, the loaded module under SITE, and every
-installed ``.py`` file byte-identical to the repository's.
+point, its distribution under SITE, its module resolving under SITE (found, not
+run), and every installed ``.py`` file byte-identical to the repository's.
 """
 
 from __future__ import annotations
@@ -95,20 +95,22 @@ def copy_install(src: str, site: str) -> None:
         f.write("vllm-e2e copy\n")
 
 
+# Resolves the module without running it: the package may import vLLM at the
+# top, and vLLM's tree is not on this interpreter's path.
 CHECK = f"""
 import sys
 from importlib.metadata import entry_points
+from importlib.util import find_spec
 site = sys.argv[1]
 eps = [ep for ep in entry_points(group={GROUP!r}) if ep.name == {NAME!r}]
 assert len(eps) == 1, f"expected one {NAME!r} entry point, found {{eps}}"
 ep = eps[0]
 loc = str(ep.dist.locate_file(""))
 assert loc.startswith(site), f"entry point's distribution is at {{loc}}, not under {{site}}"
-ep.load()
-mod = sys.modules[{PACKAGE!r}]
-assert mod.__file__.startswith(site), f"{PACKAGE} imported from {{mod.__file__}}"
+origin = find_spec(ep.module).origin
+assert origin.startswith(site), f"{{ep.module}} would be imported from {{origin}}"
 dist = f"{{ep.dist.name}} {{ep.dist.version}}"
-print(f"entry point {{ep.name}} = {{ep.value}} ({{dist}}) -> {{mod.__file__}}")
+print(f"entry point {{ep.name}} = {{ep.value}} ({{dist}}) -> {{origin}}")
 """
 
 
