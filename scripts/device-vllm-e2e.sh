@@ -1,18 +1,30 @@
 #!/usr/bin/env bash
-# Runs ON THE GPU MACHINE, in one device call, from the repository root:
+# Runs on the GPU machine (torch, no vLLM install), from the repository root of a
+# copy that holds .e2e/ (built beforehand by scripts/prepare-vllm-e2e.sh):
 #
-#   run(command="bash scripts/device-vllm-e2e.sh", carry=[".e2e"], timeout_s=420)
+#   bash scripts/device-vllm-e2e.sh                                     # tiny, 8 runs
+#   SIZES=1b CASES="base draft eagle" bash scripts/device-vllm-e2e.sh   # 1B, 6 runs
 #
-# Needs .e2e/ built here first by scripts/prepare-vllm-e2e.sh. Unpacks vLLM
-# 0.33.0's Python tree and the carried wheels under /tmp, applies the stand-ins
-# (scripts/vllm_e2e/apply_shims.py), then runs an offline LLM on the tiny
-# dummy-weight Llama in configs/ once per case (no speculator, draft model,
-# ngram), each in its own process, and prints a summary last. Logs and JSON
-# results go to $OUT (or /tmp/vllm-e2e-out).
+# Unpacks vLLM 0.33.0's Python tree and the carried wheels under /tmp, applies
+# the stand-ins (scripts/vllm_e2e/apply_shims.py), installs this repository as a
+# package into the same site dir (scripts/vllm_e2e/install_plugin.py: its
+# vllm.general_plugins entry point must resolve to that copy), then runs an
+# offline LLM with dummy weights once per (size, case, plugin switch), each in
+# its own process with its own time limit, and prints a summary last
+# (scripts/vllm_e2e/summarize.py), with the plugin off and on side by side.
+# Logs and JSON files go to $OUT (or /tmp/vllm-e2e-out): SIZE-CASE-PLUGIN.json
+# and .log per run, and bench/results/vllm_graph_memory.{json,md}.
 #
-# Env knobs: CASES="base draft ngram"; per-case wall limits T_base, T_draft,
-# T_ngram (seconds). The first case also pays vLLM's model-inspection
-# subprocess and most Triton JIT compiles (the cache is shared afterwards).
+# Env knobs:
+#   SIZES="tiny"                   tiny | 1b (configs/tiny-llama, configs/llama-1b)
+#   CASES="base draft ngram eagle" no speculator | draft model | ngram | EAGLE
+#   PLUGIN="off on"                off: plugin loaded, VLLM_SPECGRAPH=0 | on | none
+#   T_tiny=90 T_1b=150             wall limit of one run (seconds)
+#   T_FIRST_EXTRA=60               added to the first run: Triton JIT, cold caches
+#   BUDGET=570                     seconds for the whole script, setup included; a
+#                                  run's limit is cut to what is left, and a run
+#                                  that would get less than 30 s is skipped, so the
+#                                  summary is always written
 set -uo pipefail
 
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -20,38 +32,83 @@ export PYTHONUNBUFFERED=1
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 OUTDIR="${OUT:-/tmp/vllm-e2e-out}"
 W=/tmp/vllm-e2e
-CASES="${CASES:-base draft ngram}"
-T_base="${T_base:-150}"
-T_draft="${T_draft:-110}"
-T_ngram="${T_ngram:-100}"
-mkdir -p "$OUTDIR"
+SIZES="${SIZES:-tiny}"
+CASES="${CASES:-base draft ngram eagle}"
+PLUGIN="${PLUGIN:-off on}"
+T_tiny="${T_tiny:-90}"
+T_1b="${T_1b:-150}"
+T_FIRST_EXTRA="${T_FIRST_EXTRA:-60}"
+BUDGET="${BUDGET:-570}"
+RESERVE=25   # seconds kept for the kill grace period and the summary
+MIN_RUN=30
 
 t0=$(date +%s)
-rm -rf "$W" && mkdir -p "$W/site" "$W/tree"
+for s in $SIZES; do
+  case "$s" in tiny|1b) ;; *) echo "unknown size '$s' (tiny, 1b)"; exit 2 ;; esac
+done
+for c in $CASES; do
+  case "$c" in base|draft|ngram|eagle) ;; *) echo "unknown case '$c'"; exit 2 ;; esac
+done
+for p in $PLUGIN; do
+  case "$p" in off|on|none) ;; *) echo "unknown plugin switch '$p' (off, on, none)"; exit 2 ;; esac
+done
+mkdir -p "$OUTDIR"
+rm -f "$OUTDIR/skipped.txt"
+
+rm -rf "$W" && mkdir -p "$W/site" "$W/tree" "$W/cwd"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --target "$W/site" "$REPO"/.e2e/wheels/*.whl || { echo "wheel install failed"; exit 2; }
 tar xzf "$REPO/.e2e/vllm-py.tar.gz" -C "$W/tree" || { echo "untar failed"; exit 2; }
 python3 "$REPO/scripts/vllm_e2e/apply_shims.py" "$W/tree" || exit 2
+python3 "$REPO/scripts/vllm_e2e/install_plugin.py" "$REPO" "$W/site" \
+  || { echo "plugin install failed"; exit 2; }
 echo "setup took $(( $(date +%s) - t0 )) s"
 
+# The runs start in $W/cwd, not in the repository: vLLM's model-inspection
+# subprocess is started with `python -m`, which puts the working directory first
+# on sys.path, and the repository root would then shadow the installed plugin.
 export PYTHONPATH="$W/tree:$W/site"
-export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_V2_MODEL_RUNNER=1 VLLM_PLUGINS=
+export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_V2_MODEL_RUNNER=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export TVM_FFI_DISABLE_TORCH_C_DLPACK=1   # else xgrammar's tvm-ffi JIT-builds a torch addon
 export VLLM_USE_FLASHINFER_SAMPLER=0      # MRV2's sampler imports flashinfer unguarded otherwise
-export TRITON_CACHE_DIR="$W/triton-cache"  # shared by the processes below
+export TRITON_CACHE_DIR="$W/triton-cache"  # shared by every run below
+unset VLLM_PLUGINS VLLM_SPECGRAPH          # run_llm.py sets them from --plugin
 
-nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
+nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader \
+  | tee "$OUTDIR/gpu.txt"
 
-for case in $CASES; do
-  echo "---------------- case: $case ----------------"
-  tvar="T_$case"
-  timeout -k 10 "${!tvar}" python3 "$REPO/scripts/vllm_e2e/run_llm.py" \
-    --case "$case" --out "$OUTDIR/$case.json" > "$OUTDIR/$case.log" 2>&1
-  rc=$?
-  echo "case $case rc=$rc ($(( $(date +%s) - t0 )) s since start)"
-  grep -E "Error|Traceback|CUDA graph|Graph capturing|KV cache|Model loading|Using V2|Using Attention|TRITON" \
-    "$OUTDIR/$case.log" | cut -c1-400 | tail -20
+first=1
+for size in $SIZES; do
+  tvar="T_$size"
+  for case in $CASES; do
+    for plugin in $PLUGIN; do
+      name="$size-$case-$plugin"
+      rm -f "$OUTDIR/$name.json" "$OUTDIR/$name.log"
+      left=$(( BUDGET - ($(date +%s) - t0) - RESERVE ))
+      limit="${!tvar}"
+      [ "$first" = 1 ] && limit=$(( limit + T_FIRST_EXTRA ))
+      [ "$limit" -gt "$left" ] && limit="$left"
+      if [ "$limit" -lt "$MIN_RUN" ]; then
+        echo "---------------- run $name: skipped, ${left} s left of BUDGET=${BUDGET}"
+        echo "$name" >> "$OUTDIR/skipped.txt"
+        continue
+      fi
+      first=0
+      echo "---------------- run $name (limit ${limit} s) ----------------"
+      t1=$(date +%s)
+      ( cd "$W/cwd" && exec timeout -k 10 "$limit" python3 "$REPO/scripts/vllm_e2e/run_llm.py" \
+          --size "$size" --case "$case" --plugin "$plugin" --out "$OUTDIR/$name.json" ) \
+        > "$OUTDIR/$name.log" 2>&1
+      rc=$?
+      echo "run $name rc=$rc elapsed=$(( $(date +%s) - t1 )) s ($(( $(date +%s) - t0 )) s since start)"
+      grep -aE "Error|Traceback|CUDA graph|Graph capturing|KV cache|Model loading|Using V2|Using Attention|TRITON" \
+        "$OUTDIR/$name.log" | cut -c1-300 | tail -12
+      grep -ai "specgraph" "$OUTDIR/$name.log" | cut -c1-300 | tail -20
+    done
+  done
 done
 
-python3 "$REPO/scripts/vllm_e2e/summarize.py" "$OUTDIR"
+python3 "$REPO/scripts/vllm_e2e/summarize.py" "$OUTDIR" \
+  --results "$OUTDIR/bench/results" \
+  --previous "$REPO/bench/results/vllm_graph_memory.json"

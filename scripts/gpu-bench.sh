@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the GPU benchmarks (bench/*.py) on a machine with CUDA and torch; installs nothing.
-# Results land in bench/results/ and, when $OUT is set (the device tool), in $OUT too.
+# Results land in bench/results/ and, when $OUT is set, in $OUT too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Runs the whole test suite, GPU tests included, on a machine that has CUDA,
-# torch and pytest but nothing else (the device machine: Python 3.12, torch 2.11,
+# torch and pytest but nothing else (the GPU machine: Python 3.12, torch 2.11,
 # no package registry). Installs nothing. vLLM tests skip there with a reason.
 #
 #   bash scripts/gpu-tests.sh            # all tests
 #   bash scripts/gpu-tests.sh tests/gpu  # GPU tests only
 #
-# When $OUT is set (the device tool), the log and the JUnit XML land there.
+# When $OUT is set, the log and the JUnit XML land there too.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Build the ignored carry folder .e2e/ for scripts/device-vllm-e2e.sh.
-# Runs HERE (the CPU machine with network), not on the device.
+# Build the ignored folder .e2e/ that scripts/device-vllm-e2e.sh needs on the GPU
+# machine. Runs on a machine with network access, not on the GPU machine.
 #
 #   scripts/prepare-vllm-e2e.sh            # uses $VLLM_WHEEL or downloads vllm==0.33.0
 #
@@ -10,7 +10,7 @@
 #                         no CUTLASS/DeepGEMM headers.            (~11 MB)
 #   .e2e/wheels/*.whl     cp312 manylinux wheels for modules vLLM imports that the
 #                         GPU machine's image lacks.               (~25 MB)
-# The _C_stable_libtorch stand-in is NOT baked in: the device script copies
+# The _C_stable_libtorch stand-in is NOT baked in: scripts/device-vllm-e2e.sh copies
 # scripts/vllm_e2e/_C_stable_libtorch.py into the unpacked tree at run time.
 set -euo pipefail
 
@@ -20,7 +20,7 @@ VLLM_VERSION=0.33.0
 WHEEL="${VLLM_WHEEL:-/tmp/vw/vllm-${VLLM_VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl}"
 
 # Modules imported on the LLM -> engine core -> GPU worker -> Model Runner V2
-# path that the device image lacks (found by importing that path on a CPU
+# path that the GPU machine's image lacks (found by importing that path on a CPU
 # machine with a meta-path blocker that only admits the image's package list;
 # see docs/vllm-e2e.md). Versions: those that satisfy vLLM 0.33.0's pins.
 PKGS=(
@@ -95,4 +95,4 @@ if [ "$n" -ne "${#PKGS[@]}" ]; then
   exit 1
 fi
 echo "wheels: $n, $(du -sh "$OUT/wheels" | cut -f1)"
-echo "carry total: $(du -sh "$OUT" | cut -f1) (limit: 64 MiB with the working tree)"
+echo ".e2e total: $(du -sh "$OUT" | cut -f1)"

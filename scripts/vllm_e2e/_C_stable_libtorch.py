@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Python stand-in for vLLM 0.33.0's compiled ``vllm._C_stable_libtorch``.
 
-The real module is a 92 MB shared object built against torch 2.14. It cannot
-be carried to the GPU machine in one device call (64 MiB limit) and would not
-load on that machine's torch 2.11 anyway. ``vllm/platforms/cuda.py`` imports it
+The real module is a 92 MB shared object built against torch 2.14. It is not
+copied to the GPU machine (only Python files and small wheels are) and would
+not load on that machine's torch 2.11 anyway. ``vllm/platforms/cuda.py`` imports it
 unconditionally, and a few layers look ops up at construction time
 (``self.op = torch.ops._C.silu_and_mul``), so this module registers a small
 set of ``torch.ops._C`` / ``torch.ops._C_cuda_utils`` ops with torch-native

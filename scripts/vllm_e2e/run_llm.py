@@ -1,61 +1,284 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Offline vLLM 0.33.0 run on a tiny dummy-weight Llama: Model Runner V2, FULL
-CUDA graphs, optional speculator. One case per process.
+"""Offline vLLM 0.33.0 run on a dummy-weight Llama: Model Runner V2, FULL CUDA
+graphs, optional speculator, vllm-specgraph plugin on or off. One run per process.
 
-    python run_llm.py --case base|draft|ngram --out result.json
+    python run_llm.py --size tiny|1b --case base|draft|ngram|eagle \
+        --plugin off|on|none --out result.json
+
+``--plugin`` (set in the environment before vLLM is imported):
+
+* ``on``: ``VLLM_PLUGINS=specgraph``; the plugin loads and patches vLLM.
+* ``off``: ``VLLM_PLUGINS=specgraph`` and ``VLLM_SPECGRAPH=0``; the plugin loads
+  through its entry point and patches nothing (its own off switch).
+* ``none``: ``VLLM_PLUGINS=`` (empty); no plugin is loaded at all.
 
 Prompts are token ids (no tokenizer), weights are vLLM's deterministic dummy
-weights (``load_format="dummy"``), so every process builds the same model and
-greedy outputs can be compared across processes.
+weights (``load_format="dummy"``) re-randomised in place by parameter name, so
+every process builds the same model and greedy outputs can be compared across
+processes.
 
-The only things this script changes inside vLLM are measurement wrappers
-(they call the original method and read ``torch.cuda.mem_get_info`` around
-it); vLLM's own log lines are printed as usual.
+The only things this script changes inside vLLM are measurement wrappers (they
+call the method they replace and read ``torch.cuda.mem_get_info`` and
+``time.perf_counter`` around it) and a log handler that copies the plugin's log
+lines into the result; vLLM's own log lines are printed as usual.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
 import traceback
+import zlib
+from collections.abc import Callable
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
-os.environ.setdefault("VLLM_PLUGINS", "")  # no third-party plugins in this run
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("DO_NOT_TRACK", "1")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # flashinfer is not carried
-os.environ.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
+CONFIGS = os.path.join(REPO, "configs")
 
 MiB = 1 << 20
+CASES = ("base", "draft", "ngram", "eagle")
+PLUGIN_SWITCHES = ("off", "on", "none")
+PLUGIN_NAME = "specgraph"  # the vllm.general_plugins entry point in pyproject.toml
+PLUGIN_GROUP = "vllm.general_plugins"
+PLUGIN_LOGGERS = ("vllm.specgraph", "vllm_specgraph")
+PLUGIN_LOG_PREFIX = "SPECGRAPH-LOG"
+PLUGIN_LOG_LIMIT = 500
+
+# Per size: config dirs under configs/ and the engine settings that differ.
+# capture_sizes None means vLLM's default capture sizes.
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "model": "tiny-llama",
+        "draft": "tiny-llama-draft",
+        "eagle": "tiny-llama-draft",  # the same 1-layer Llama config
+        "dtype": "float32",
+        "capture_sizes": [1, 2, 4, 8, 16, 32],
+        "max_num_seqs": 8,
+        "max_model_len": 256,
+        "max_num_batched_tokens": 512,
+        "gpu_memory_utilization": 0.1,
+    },
+    "1b": {
+        "model": "llama-1b",
+        "draft": "llama-1b-draft",
+        "eagle": "llama-1b-eagle",
+        "dtype": "bfloat16",
+        "capture_sizes": None,
+        "max_num_seqs": 256,
+        "max_model_len": 1024,
+        "max_num_batched_tokens": 2048,
+        "gpu_memory_utilization": 0.5,
+    },
+}
+
+BASE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_USE_V2_MODEL_RUNNER": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_LOGGING_LEVEL": "INFO",
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",  # flashinfer is not carried
+    "TVM_FFI_DISABLE_TORCH_C_DLPACK": "1",
+}
 
 
-def reinit_weights(model, std: float) -> int:
+def set_env(plugin: str) -> dict[str, str | None]:
+    """Set the engine's and the plugin switch's environment; call before importing
+    vLLM (``vllm.envs`` reads ``VLLM_PLUGINS`` when plugins load). The plugin
+    variables are forced, not defaulted, so an inherited value cannot turn one
+    switch into another."""
+    for key, value in BASE_ENV.items():
+        os.environ.setdefault(key, value)
+    if plugin == "none":
+        os.environ["VLLM_PLUGINS"] = ""
+        os.environ.pop("VLLM_SPECGRAPH", None)
+    elif plugin == "off":
+        os.environ["VLLM_PLUGINS"] = PLUGIN_NAME
+        os.environ["VLLM_SPECGRAPH"] = "0"
+    elif plugin == "on":
+        os.environ["VLLM_PLUGINS"] = PLUGIN_NAME
+        os.environ.pop("VLLM_SPECGRAPH", None)  # the plugin's default: on
+    else:
+        raise ValueError(f"plugin switch must be one of {PLUGIN_SWITCHES}, got {plugin!r}")
+    return {k: os.environ.get(k) for k in ("VLLM_PLUGINS", "VLLM_SPECGRAPH")}
+
+
+class PluginLogTap(logging.Handler):
+    """Prints the plugin's log records with a fixed prefix (vLLM's format names the
+    file, not the logger) and keeps the first ``limit`` of them for the result."""
+
+    def __init__(self, sink: list[str], limit: int = PLUGIN_LOG_LIMIT) -> None:
+        super().__init__(logging.DEBUG)
+        self.sink = sink
+        self.limit = limit
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = f"{record.levelname} {record.name}: {record.getMessage()}"
+        except Exception:  # a bad format string must not stop the engine
+            line = f"{record.levelname} {record.name}: {record.msg!r}"
+        if len(self.sink) < self.limit:
+            self.sink.append(line)
+        print(f"{PLUGIN_LOG_PREFIX} {line}", flush=True)
+
+
+def tap_plugin_logs(sink: list[str]) -> PluginLogTap:
+    """Route the plugin's loggers (``vllm.specgraph`` through vLLM's logger, and the
+    package's own ``vllm_specgraph``) through one tap. Call after vLLM configured
+    logging; ``propagate`` is cleared so each line is printed once."""
+    tap = PluginLogTap(sink)
+    for name in PLUGIN_LOGGERS:
+        lg = logging.getLogger(name)
+        lg.addHandler(tap)
+        lg.propagate = False
+        if lg.getEffectiveLevel() > logging.INFO:
+            lg.setLevel(logging.INFO)
+    return tap
+
+
+def plugin_info(switch: str, env: dict[str, str | None]) -> dict[str, Any]:
+    """Where the plugin's entry point comes from and whether the package was
+    imported, read after vLLM loaded its general plugins."""
+    from importlib.metadata import entry_points
+
+    info: dict[str, Any] = {"switch": switch, "env": env}
+    eps = [ep for ep in entry_points(group=PLUGIN_GROUP) if ep.name == PLUGIN_NAME]
+    info["entry_point"] = eps[0].value if eps else None
+    info["entry_points_found"] = len(eps)
+    dist = getattr(eps[0], "dist", None) if eps else None
+    info["dist"] = f"{dist.name} {dist.version}" if dist is not None else None
+    info["dist_location"] = str(dist.locate_file("")) if dist is not None else None
+    mod = sys.modules.get("vllm_specgraph")
+    info["loaded"] = mod is not None
+    info["module_file"] = getattr(mod, "__file__", None)
+    info["loaded_as_expected"] = info["loaded"] == (switch != "none")
+    return info
+
+
+def install_wrappers(runner_cls: Any, worker_cls: Any, cuda: Any, mem: dict[str, Any]) -> dict:
+    """Wrap three vLLM methods to read numbers; each wrapper calls the method it
+    replaces unchanged. ``cuda`` is ``torch.cuda``. Returns {attribute: wrapper} so
+    the caller can check later that nothing replaced them.
+
+    * ``runner_cls.profile_cudagraph_memory``: the estimate, its wall time, and
+      the driver-level memory still taken after it returned (before and after
+      an ``empty_cache``).
+    * ``runner_cls.capture_model``: for the production capture, the actual graph
+      memory (vLLM's own return value) and its wall time; profiling captures
+      (``profile_only=True``) are only counted and timed.
+    * ``worker_cls.determine_available_memory``: the KV cache bytes.
+    """
+
+    def drv_used() -> int:
+        cuda.synchronize()
+        free, total = cuda.mem_get_info()
+        return total - free
+
+    orig_prof = runner_cls.profile_cudagraph_memory
+
+    def prof_wrapper(self: Any) -> int:
+        cuda.synchronize()
+        cuda.empty_cache()
+        b_used = drv_used()
+        b_res = cuda.memory_reserved()
+        t0 = time.perf_counter()
+        est = orig_prof(self)
+        cuda.synchronize()
+        wall = time.perf_counter() - t0
+        a_used = drv_used()
+        a_res = cuda.memory_reserved()
+        cuda.empty_cache()
+        a2_used = drv_used()
+        mem["profile_estimate_bytes"] = int(est) if isinstance(est, int | float) else repr(est)
+        mem["profile_wall_s"] = round(wall, 3)
+        mem["profile_driver_used_before"] = b_used
+        mem["profile_driver_left_taken"] = a_used - b_used
+        mem["profile_driver_left_taken_after_empty_cache"] = a2_used - b_used
+        mem["profile_allocator_reserved_delta"] = a_res - b_res
+        return est
+
+    orig_cap = runner_cls.capture_model
+
+    def cap_wrapper(self: Any, *a: Any, **kw: Any) -> int:
+        if kw.get("profile_only"):
+            t0 = time.perf_counter()
+            r = orig_cap(self, *a, **kw)
+            mem["profile_only_capture_calls"] = mem.get("profile_only_capture_calls", 0) + 1
+            mem["profile_only_capture_wall_s"] = round(
+                mem.get("profile_only_capture_wall_s", 0.0) + time.perf_counter() - t0, 3
+            )
+            return r
+        b_used = drv_used()
+        b_res = cuda.memory_reserved()
+        t0 = time.perf_counter()
+        actual = orig_cap(self, *a, **kw)
+        cuda.synchronize()
+        wall = time.perf_counter() - t0
+        mem["capture_calls"] = mem.get("capture_calls", 0) + 1
+        mem["capture_actual_bytes"] = (
+            int(actual) if isinstance(actual, int | float) else repr(actual)
+        )
+        mem["capture_wall_s"] = round(wall, 3)
+        mem["capture_driver_delta"] = drv_used() - b_used
+        mem["capture_allocator_reserved_delta"] = cuda.memory_reserved() - b_res
+        return actual
+
+    orig_dam = worker_cls.determine_available_memory
+
+    def dam_wrapper(self: Any) -> int:
+        t0 = time.perf_counter()
+        r = orig_dam(self)
+        mem["determine_available_memory_wall_s"] = round(time.perf_counter() - t0, 3)
+        mem["kv_cache_bytes"] = int(r)
+        mem["worker_cudagraph_memory_estimate"] = int(
+            getattr(self, "cudagraph_memory_estimate", -1)
+        )
+        return r
+
+    runner_cls.profile_cudagraph_memory = prof_wrapper
+    runner_cls.capture_model = cap_wrapper
+    worker_cls.determine_available_memory = dam_wrapper
+    return {
+        "profile_cudagraph_memory": (runner_cls, prof_wrapper),
+        "capture_model": (runner_cls, cap_wrapper),
+        "determine_available_memory": (worker_cls, dam_wrapper),
+    }
+
+
+def wrappers_intact(installed: dict) -> dict[str, bool]:
+    return {name: getattr(cls, name) is fn for name, (cls, fn) in installed.items()}
+
+
+def reinit_weights(model: Any, std: float, skip: set[int] | None = None) -> tuple[int, set[int]]:
     """Refill every parameter in place with seeded N(0, std) values (norm
     weights: 1.0), seeded by parameter name. vLLM's dummy loader fills every
     same-shaped tensor with the same +-1e-3 values, which makes greedy output
     one repeated token per prompt; this gives a non-degenerate model. The
-    target is identical in every process, and the 1-layer draft shares the
-    target's embedding, first layer and head (same names), so it agrees with
-    the target often but not always. In place: captured CUDA graphs keep
-    reading the same addresses."""
-    import zlib
+    target is identical in every process, and a draft or EAGLE head that uses
+    the target's parameter names (embedding, first layers, head) gets the same
+    values there, so it agrees with the target often but not always. In place:
+    captured CUDA graphs keep reading the same addresses.
 
+    Parameters whose storage is in ``skip`` (data pointers) are left alone: an
+    EAGLE head shares the target's embedding and head, possibly under another
+    name, and must not re-seed them. Returns (parameters refilled, data pointers
+    of every parameter seen)."""
     import torch
 
     n = 0
+    seen: set[int] = set()
     with torch.inference_mode():
         for name, p in model.named_parameters():
-            if not p.is_floating_point():
+            ptr = p.data_ptr()
+            seen.add(ptr)
+            if not p.is_floating_point() or (skip is not None and ptr in skip):
                 continue
             if name.endswith("norm.weight"):
                 p.data.fill_(1.0)
@@ -65,12 +288,12 @@ def reinit_weights(model, std: float) -> int:
                 p.data.normal_(0.0, std, generator=g)
             n += 1
     torch.cuda.synchronize()
-    return n
+    return n, seen
 
 
 def prompts_token_ids(n: int, vocab: int) -> list[list[int]]:
-    """Deterministic prompts; the later ones repeat a pattern so that the
-    n-gram speculator finds matches."""
+    """Deterministic prompts, every id in [1, vocab - 2]; the odd ones repeat a
+    pattern so that the n-gram speculator finds matches."""
     out = []
     for i in range(n):
         if i % 2 == 0:
@@ -82,17 +305,103 @@ def prompts_token_ids(n: int, vocab: int) -> list[list[int]]:
     return out
 
 
+def speculative_config(case: str, draft: str, eagle: str, num_spec: int) -> dict | None:
+    if case == "draft":
+        return {"method": "draft_model", "model": draft, "num_speculative_tokens": num_spec}
+    if case == "eagle":
+        return {"method": "eagle", "model": eagle, "num_speculative_tokens": num_spec}
+    if case == "ngram":
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": num_spec,
+            "prompt_lookup_min": 2,
+            "prompt_lookup_max": 4,
+        }
+    return None
+
+
+def llm_kwargs(args: argparse.Namespace, preset: dict[str, Any]) -> dict[str, Any]:
+    compilation: dict[str, Any] = {
+        "mode": 0,  # CompilationMode.NONE: no dynamo/inductor on torch 2.11
+        "cudagraph_mode": args.cudagraph_mode,
+        "custom_ops": ["none"],
+    }
+    if preset["capture_sizes"] is not None:
+        compilation["cudagraph_capture_sizes"] = list(preset["capture_sizes"])
+    return {
+        "model": args.model,
+        "skip_tokenizer_init": True,
+        "load_format": "dummy",
+        "dtype": args.dtype,
+        "seed": 0,
+        "max_model_len": preset["max_model_len"],
+        "max_num_seqs": preset["max_num_seqs"],
+        "max_num_batched_tokens": preset["max_num_batched_tokens"],
+        "gpu_memory_utilization": args.gpu_mem_util,
+        "enforce_eager": False,
+        "enable_prefix_caching": False,
+        "attention_config": {"backend": "TRITON_ATTN"},
+        "compilation_config": compilation,
+        "kernel_config": {
+            "ir_op_priority": {
+                "rms_norm": ["native"],
+                "fused_add_rms_norm": ["native"],
+            }
+        },
+        "speculative_config": speculative_config(args.case, args.draft, args.eagle, args.num_spec),
+        "disable_log_stats": False,  # keep spec-decode counters for get_metrics()
+    }
+
+
+def spec_summary(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Acceptance figures from vLLM's spec-decode counters (``get_metrics`` names)."""
+
+    def count(name: str) -> int | None:
+        v = metrics.get(f"vllm:spec_decode_{name}")
+        return int(v) if isinstance(v, int | float) else None
+
+    drafts = count("num_drafts")
+    draft_tokens = count("num_draft_tokens")
+    accepted = count("num_accepted_tokens")
+    out: dict[str, Any] = {
+        "drafts": drafts,
+        "draft_tokens": draft_tokens,
+        "accepted_tokens": accepted,
+        "acceptance_rate": None,
+        "mean_acceptance_length": None,
+    }
+    if accepted is not None and draft_tokens:
+        out["acceptance_rate"] = round(accepted / draft_tokens, 4)
+    if accepted is not None and drafts:
+        out["mean_acceptance_length"] = round(1 + accepted / drafts, 3)
+    return out
+
+
+def plugin_report(runner: Any) -> dict | None:
+    """The plugin's own profile report, if it attached one to the runner."""
+    prof = getattr(runner, "specgraph_profile", None)
+    if prof is None:
+        return None
+    to_dict: Callable[[], dict] | None = getattr(prof, "to_dict", None)
+    if to_dict is None:
+        return {"error": f"{type(prof).__name__} has no to_dict()"}
+    return to_dict()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--case", choices=["base", "draft", "ngram"], required=True)
+    ap.add_argument("--case", choices=CASES, required=True)
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    ap.add_argument("--plugin", choices=PLUGIN_SWITCHES, default="off")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--model", default=os.path.join(REPO, "configs", "tiny-llama"))
-    ap.add_argument("--draft", default=os.path.join(REPO, "configs", "tiny-llama-draft"))
+    ap.add_argument("--model", help="target config dir (default: the size's)")
+    ap.add_argument("--draft", help="draft_model config dir (default: the size's)")
+    ap.add_argument("--eagle", help="EAGLE config dir (default: the size's)")
     ap.add_argument("--num-spec", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--num-prompts", type=int, default=6)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--gpu-mem-util", type=float, default=0.1)
+    ap.add_argument("--dtype", help="default: the size's")
+    ap.add_argument("--gpu-mem-util", type=float, help="default: the size's")
     ap.add_argument("--cudagraph-mode", default="FULL")
     ap.add_argument(
         "--reinit-std",
@@ -101,10 +410,26 @@ def main() -> int:
         help="re-randomise weights after start-up (0: keep vLLM's dummy weights)",
     )
     args = ap.parse_args()
+    preset = SIZES[args.size]
+    for key in ("model", "draft", "eagle"):
+        if getattr(args, key) is None:
+            setattr(args, key, os.path.join(CONFIGS, preset[key]))
+    if args.dtype is None:
+        args.dtype = preset["dtype"]
+    if args.gpu_mem_util is None:
+        args.gpu_mem_util = preset["gpu_memory_utilization"]
 
-    result: dict = {"case": args.case, "ok": False, "stage": "import"}
+    env = set_env(args.plugin)
+    plugin_log: list[str] = []
+    result: dict[str, Any] = {
+        "size": args.size,
+        "case": args.case,
+        "plugin": {"switch": args.plugin, "env": env},
+        "ok": False,
+        "stage": "import",
+    }
 
-    def dump():
+    def dump() -> None:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1, default=str)
 
@@ -116,133 +441,62 @@ def main() -> int:
         import vllm
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.plugins import load_general_plugins
 
         result["vllm"] = vllm.__version__
         result["import_s"] = round(time.time() - t0, 1)
+
+        # ---- plugin: load it now (vLLM's later calls are no-ops), so that the
+        # wrappers below wrap whatever the plugin patched ----------------------
+        tap_plugin_logs(plugin_log)
+        result["plugin_log"] = plugin_log
+        load_general_plugins()
+        result["plugin"] = plugin_info(args.plugin, env)
 
         # ---- measurement wrappers (call through to vLLM's own code) -------
         from vllm.v1.worker import gpu_worker
         from vllm.v1.worker.gpu import model_runner as mr2
 
-        mem: dict = {}
+        mem: dict[str, Any] = {}
         result["mem"] = mem
-
-        def drv_used() -> int:
-            torch.cuda.synchronize()
-            free, total = torch.cuda.mem_get_info()
-            return total - free
-
-        orig_prof = mr2.GPUModelRunner.profile_cudagraph_memory
-
-        def prof_wrapper(self):
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            b_used = drv_used()
-            b_res = torch.cuda.memory_reserved()
-            est = orig_prof(self)
-            a_used = drv_used()
-            a_res = torch.cuda.memory_reserved()
-            torch.cuda.empty_cache()
-            a2_used = drv_used()
-            mem["profile_estimate_bytes"] = int(est)
-            mem["profile_driver_used_before"] = b_used
-            mem["profile_driver_left_taken"] = a_used - b_used
-            mem["profile_driver_left_taken_after_empty_cache"] = a2_used - b_used
-            mem["profile_allocator_reserved_delta"] = a_res - b_res
-            return est
-
-        mr2.GPUModelRunner.profile_cudagraph_memory = prof_wrapper
-
-        orig_cap = mr2.GPUModelRunner.capture_model
-
-        def cap_wrapper(self, *a, **kw):
-            if kw.get("profile_only"):
-                return orig_cap(self, *a, **kw)
-            b_used = drv_used()
-            b_res = torch.cuda.memory_reserved()
-            actual = orig_cap(self, *a, **kw)
-            mem["capture_actual_bytes"] = int(actual)
-            mem["capture_driver_delta"] = drv_used() - b_used
-            mem["capture_allocator_reserved_delta"] = torch.cuda.memory_reserved() - b_res
-            return actual
-
-        mr2.GPUModelRunner.capture_model = cap_wrapper
-
-        orig_dam = gpu_worker.Worker.determine_available_memory
-
-        def dam_wrapper(self):
-            r = orig_dam(self)
-            mem["kv_cache_bytes"] = int(r)
-            mem["worker_cudagraph_memory_estimate"] = int(
-                getattr(self, "cudagraph_memory_estimate", -1)
-            )
-            return r
-
-        gpu_worker.Worker.determine_available_memory = dam_wrapper
+        installed = install_wrappers(mr2.GPUModelRunner, gpu_worker.Worker, torch.cuda, mem)
 
         # ---- engine ----------------------------------------------------
         with open(os.path.join(args.model, "config.json")) as f:
             vocab = json.load(f)["vocab_size"]
 
-        spec = None
-        if args.case == "draft":
-            spec = {
-                "method": "draft_model",
-                "model": args.draft,
-                "num_speculative_tokens": args.num_spec,
-            }
-        elif args.case == "ngram":
-            spec = {
-                "method": "ngram",
-                "num_speculative_tokens": args.num_spec,
-                "prompt_lookup_min": 2,
-                "prompt_lookup_max": 4,
-            }
-
-        kw = dict(
-            model=args.model,
-            skip_tokenizer_init=True,
-            load_format="dummy",
-            dtype=args.dtype,
-            seed=0,
-            max_model_len=256,
-            max_num_seqs=8,
-            max_num_batched_tokens=512,
-            gpu_memory_utilization=args.gpu_mem_util,
-            enforce_eager=False,
-            enable_prefix_caching=False,
-            attention_config={"backend": "TRITON_ATTN"},
-            compilation_config={
-                "mode": 0,  # CompilationMode.NONE: no dynamo/inductor on torch 2.11
-                "cudagraph_mode": args.cudagraph_mode,
-                "custom_ops": ["none"],
-                "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32],
-            },
-            kernel_config={
-                "ir_op_priority": {
-                    "rms_norm": ["native"],
-                    "fused_add_rms_norm": ["native"],
-                }
-            },
-            speculative_config=spec,
-            disable_log_stats=False,  # keep spec-decode counters for get_metrics()
-        )
+        kw = llm_kwargs(args, preset)
         result["llm_kwargs"] = kw
         result["stage"] = "init"
         dump()
         t0 = time.time()
+        t0p = time.perf_counter()
         llm = LLM(**kw)
+        result["startup_s"] = round(time.perf_counter() - t0p, 2)
         result["init_s"] = round(time.time() - t0, 1)
+        result["plugin"]["wrappers_intact"] = wrappers_intact(installed)
+        result["gpu"] = {
+            "name": torch.cuda.get_device_name(0),
+            "total_bytes": torch.cuda.mem_get_info()[1],
+            "cuda": torch.version.cuda,
+        }
 
         vc = llm.llm_engine.vllm_config
+        cc = vc.cache_config
         result["resolved"] = {
             "use_v2_model_runner": vc.use_v2_model_runner,
             "cudagraph_mode": str(vc.compilation_config.cudagraph_mode),
             "compilation_mode": str(vc.compilation_config.mode),
             "capture_sizes": vc.compilation_config.cudagraph_capture_sizes,
-            "num_gpu_blocks": vc.cache_config.num_gpu_blocks,
+            "num_capture_sizes": len(vc.compilation_config.cudagraph_capture_sizes or []),
+            "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens,
+            "num_gpu_blocks": cc.num_gpu_blocks,
+            "block_size": cc.block_size,
             "spec_method": vc.speculative_config.method if vc.speculative_config else None,
         }
+        if cc.num_gpu_blocks is not None and cc.block_size is not None:
+            result["kv_tokens"] = int(cc.num_gpu_blocks) * int(cc.block_size)
+        runner = None
         try:
             core = llm.llm_engine.engine_core.engine_core
             worker = core.model_executor.driver_worker.worker
@@ -259,14 +513,20 @@ def main() -> int:
                 else None
             )
         except Exception as e:  # informational only
-            runner = None
             result["resolved"]["introspect_error"] = repr(e)
 
+        try:
+            result["plugin_report"] = plugin_report(runner)
+        except Exception as e:
+            result["plugin_report"] = {"error": repr(e)}
+
         if args.reinit_std > 0:
-            n = reinit_weights(runner.model, args.reinit_std)
+            n, target_ptrs = reinit_weights(runner.model, args.reinit_std)
             spec_model = getattr(getattr(runner, "speculator", None), "model", None)
             if spec_model is not None:
-                n += reinit_weights(spec_model, args.reinit_std)
+                n_spec, _ = reinit_weights(spec_model, args.reinit_std, skip=target_ptrs)
+                result["reinit_spec_params"] = n_spec
+                n += n_spec
             result["reinit_params"] = n
 
         # ---- generate --------------------------------------------------
@@ -284,15 +544,15 @@ def main() -> int:
         result["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
 
         try:
-            metrics = llm.get_metrics()
             sd = {}
-            for m in metrics:
+            for m in llm.get_metrics():
                 if "spec_decode" in m.name:
                     v = getattr(m, "value", None)
                     if v is None:
                         v = getattr(m, "values", None)
                     sd[m.name] = v
             result["spec_metrics"] = sd
+            result["spec"] = spec_summary(sd)
         except Exception as e:
             result["spec_metrics"] = {"error": repr(e)}
 

@@ -1,0 +1,406 @@
+"""The end-to-end harness's CPU-side logic (scripts/vllm_e2e): the plugin switch,
+the measurement wrappers, the size presets, and the off/on summary table.
+
+The wrappers run here against stand-in runner and worker classes and a
+stand-in ``torch.cuda`` whose driver-level usage the stand-ins move; the
+summarizer then reads the JSON those runs produce. The byte counts are test
+inputs, not measurements.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+MiB = 1 << 20
+
+
+def _load(name: str) -> ModuleType:
+    path = os.path.join(SCRIPTS, "vllm_e2e", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"vllm_e2e_{name}", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+run_llm = _load("run_llm")
+summarize = _load("summarize")
+
+
+class FakeCuda:
+    """Driver-level usage that the stand-in vLLM methods below move by hand."""
+
+    total = 80 << 30
+
+    def __init__(self) -> None:
+        self.used = 10 << 30
+        self.reserved = 0
+
+    def synchronize(self) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return self.total - self.used, self.total
+
+    def memory_reserved(self) -> int:
+        return self.reserved
+
+
+def fake_classes(cuda: FakeCuda, est: int, retained: int, actual: int, kv: int) -> tuple:
+    class Runner:
+        def profile_cudagraph_memory(self) -> int:
+            cuda.used += retained  # what the profile leaves taken
+            return est
+
+        def capture_model(self, *, profile_only: bool = False) -> int:
+            if profile_only:
+                return 0
+            cuda.used += actual
+            return actual
+
+    class Worker:
+        cudagraph_memory_estimate = est
+
+        def determine_available_memory(self) -> int:
+            Runner().profile_cudagraph_memory()
+            return kv
+
+    return Runner, Worker
+
+
+def fake_run(
+    size: str,
+    case: str,
+    plugin: str,
+    *,
+    est: int,
+    retained: int,
+    actual: int,
+    kv: int,
+    tokens: list[list[int]],
+    report: dict | None = None,
+) -> dict[str, Any]:
+    """One run_llm.py result built by the harness's own wrappers and helpers."""
+    cuda = FakeCuda()
+    runner_cls, worker_cls = fake_classes(cuda, est, retained, actual, kv)
+    mem: dict[str, Any] = {}
+    installed = run_llm.install_wrappers(runner_cls, worker_cls, cuda, mem)
+    worker_cls().determine_available_memory()
+    runner_cls().capture_model(profile_only=True)
+    runner_cls().capture_model()
+    block_size = 16
+    runner = SimpleNamespace(specgraph_profile=None)
+    if report is not None:
+        runner.specgraph_profile = SimpleNamespace(to_dict=lambda: report)
+    return {
+        "size": size,
+        "case": case,
+        "plugin": {"switch": plugin, "wrappers_intact": run_llm.wrappers_intact(installed)},
+        "ok": True,
+        "stage": "done",
+        "mem": mem,
+        "startup_s": 12.5,
+        "resolved": {"num_gpu_blocks": kv // (block_size * 1024), "block_size": block_size},
+        "kv_tokens": kv // 1024,
+        "tokens": tokens,
+        "spec": run_llm.spec_summary(
+            {
+                "vllm:spec_decode_num_drafts": 10,
+                "vllm:spec_decode_num_draft_tokens": 30,
+                "vllm:spec_decode_num_accepted_tokens": 12,
+            }
+        ),
+        "plugin_report": run_llm.plugin_report(runner),
+    }
+
+
+def test_wrappers_record_estimate_retained_actual_and_kv():
+    r = fake_run(
+        "tiny",
+        "base",
+        "off",
+        est=41 * MiB,
+        retained=32 * MiB,
+        actual=36 * MiB,
+        kv=7 << 30,
+        tokens=[[1]],
+    )
+    m = r["mem"]
+    assert m["profile_estimate_bytes"] == 41 * MiB
+    assert m["profile_driver_left_taken"] == 32 * MiB
+    assert m["profile_driver_left_taken_after_empty_cache"] == 32 * MiB
+    assert m["capture_actual_bytes"] == 36 * MiB
+    assert m["capture_driver_delta"] == 36 * MiB
+    assert m["capture_calls"] == 1
+    assert m["profile_only_capture_calls"] == 1
+    assert m["kv_cache_bytes"] == 7 << 30
+    assert m["worker_cudagraph_memory_estimate"] == 41 * MiB
+    assert m["profile_wall_s"] >= 0 and m["capture_wall_s"] >= 0
+    assert r["plugin"]["wrappers_intact"] == {
+        "profile_cudagraph_memory": True,
+        "capture_model": True,
+        "determine_available_memory": True,
+    }
+
+
+def test_wrappers_intact_notices_a_replaced_method():
+    cuda = FakeCuda()
+    runner_cls, worker_cls = fake_classes(cuda, 1, 0, 1, 1)
+    installed = run_llm.install_wrappers(runner_cls, worker_cls, cuda, {})
+    runner_cls.capture_model = lambda self, **kw: 0
+    assert run_llm.wrappers_intact(installed)["capture_model"] is False
+
+
+@pytest.mark.parametrize(
+    ("switch", "plugins", "specgraph"),
+    [("on", "specgraph", None), ("off", "specgraph", "0"), ("none", "", None)],
+)
+def test_plugin_switch_sets_the_environment(monkeypatch, switch, plugins, specgraph):
+    for key in ("VLLM_PLUGINS", "VLLM_SPECGRAPH", *run_llm.BASE_ENV):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("VLLM_SPECGRAPH", "0")  # inherited values must not leak through
+    monkeypatch.setenv("VLLM_PLUGINS", "other")
+    env = run_llm.set_env(switch)
+    assert env == {"VLLM_PLUGINS": plugins, "VLLM_SPECGRAPH": specgraph}
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+
+
+@pytest.fixture
+def restore_plugin_loggers():
+    saved = {
+        n: (lg.handlers[:], lg.propagate, lg.level)
+        for n in run_llm.PLUGIN_LOGGERS
+        for lg in [logging.getLogger(n)]
+    }
+    yield
+    for n, (handlers, propagate, level) in saved.items():
+        lg = logging.getLogger(n)
+        lg.handlers[:] = handlers
+        lg.propagate = propagate
+        lg.setLevel(level)
+
+
+def test_plugin_log_tap_prints_with_prefix_and_keeps_lines(capsys, restore_plugin_loggers):
+    sink: list[str] = []
+    run_llm.tap_plugin_logs(sink)
+    logging.getLogger("vllm.specgraph.profile").info("estimate %d MiB", 12)
+    logging.getLogger("vllm_specgraph").info("loaded")
+    assert sink == ["INFO vllm.specgraph.profile: estimate 12 MiB", "INFO vllm_specgraph: loaded"]
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"{run_llm.PLUGIN_LOG_PREFIX} {line}" for line in sink]
+
+
+def test_size_presets_and_engine_kwargs():
+    for size, preset in run_llm.SIZES.items():
+        for key in ("model", "draft", "eagle"):
+            cfg = os.path.join(run_llm.CONFIGS, preset[key], "config.json")
+            with open(cfg) as f:
+                vocab = json.load(f)["vocab_size"]
+            ids = run_llm.prompts_token_ids(6, vocab)
+            assert all(0 < t < vocab for p in ids for t in p), size
+    args = SimpleNamespace(
+        case="eagle",
+        model="m",
+        draft="d",
+        eagle="e",
+        num_spec=3,
+        dtype="bfloat16",
+        gpu_mem_util=0.5,
+        cudagraph_mode="FULL",
+    )
+    kw = run_llm.llm_kwargs(args, run_llm.SIZES["1b"])
+    assert "cudagraph_capture_sizes" not in kw["compilation_config"]  # vLLM's defaults
+    assert (kw["max_num_seqs"], kw["max_model_len"], kw["max_num_batched_tokens"]) == (
+        256,
+        1024,
+        2048,
+    )
+    assert kw["speculative_config"] == {
+        "method": "eagle",
+        "model": "e",
+        "num_speculative_tokens": 3,
+    }
+    kw = run_llm.llm_kwargs(args, run_llm.SIZES["tiny"])
+    assert kw["compilation_config"]["cudagraph_capture_sizes"] == [1, 2, 4, 8, 16, 32]
+    assert run_llm.speculative_config("base", "d", "e", 3) is None
+    assert run_llm.speculative_config("draft", "d", "e", 3)["method"] == "draft_model"
+
+
+def test_llama_1b_configs_are_1b_shaped():
+    def cfg(name: str) -> dict:
+        with open(os.path.join(run_llm.CONFIGS, name, "config.json")) as f:
+            return json.load(f)
+
+    target = cfg("llama-1b")
+    assert (target["hidden_size"], target["num_hidden_layers"], target["vocab_size"]) == (
+        2048,
+        16,
+        128256,
+    )
+    assert cfg("llama-1b-draft") == target | {"num_hidden_layers": 2}
+    assert cfg("llama-1b-eagle") == target | {"num_hidden_layers": 1}
+
+
+def test_spec_summary_and_missing_plugin_report():
+    s = run_llm.spec_summary({"vllm:spec_decode_num_drafts": 4})
+    assert s["drafts"] == 4 and s["acceptance_rate"] is None
+    assert run_llm.plugin_report(SimpleNamespace()) is None
+    assert run_llm.plugin_report(None) is None
+
+
+def test_owner_figures_reads_list_and_section_shapes():
+    report = {
+        "owners": [
+            {"owner": "target", "num_graphs": 6, "driver_bytes": 4 * MiB, "allocator_bytes": 0},
+            {"owner": "draft", "num_graphs": 10, "driver_bytes": 2 * MiB},
+        ],
+        "actual": {"owners": {"target": {"driver_bytes": 5 * MiB}, "draft": 2 * MiB}},
+    }
+    assert summarize.owner_figures(report) == {
+        "target": {"estimate": 4 * MiB, "actual": 5 * MiB},
+        "draft": {"estimate": 2 * MiB, "actual": 2 * MiB},
+    }
+    assert summarize.owner_figures({"owners": {"target": {"estimate_bytes": 1}}}) == {
+        "target": {"estimate": 1, "actual": None}
+    }
+    assert summarize.owner_figures(None) == {}
+
+
+def _write(outdir, run: dict) -> None:
+    name = f"{run['size']}-{run['case']}-{run['plugin']['switch']}.json"
+    with open(os.path.join(outdir, name), "w") as f:
+        json.dump(run, f)
+
+
+def test_summarize_table_checks_and_carry_over(tmp_path, capsys):
+    toks = [[5, 6, 7], [8, 9]]
+    report = {"owners": [{"owner": "target", "driver_bytes": 30 * MiB, "actual_bytes": 30 * MiB}]}
+    runs = [
+        # base: upstream over-estimates and leaves 32 MiB; the plugin is exact.
+        fake_run(
+            "tiny",
+            "base",
+            "off",
+            est=41 * MiB,
+            retained=32 * MiB,
+            actual=36 * MiB,
+            kv=7 << 30,
+            tokens=toks,
+        ),
+        fake_run(
+            "tiny",
+            "base",
+            "on",
+            est=30 * MiB,
+            retained=0,
+            actual=30 * MiB,
+            kv=8 << 30,
+            tokens=toks,
+            report=report,
+        ),
+        # eagle: the plugin misses by 10 % and the tokens differ.
+        fake_run(
+            "tiny",
+            "eagle",
+            "off",
+            est=113 * MiB,
+            retained=100 * MiB,
+            actual=104 * MiB,
+            kv=7 << 30,
+            tokens=toks,
+        ),
+        fake_run(
+            "tiny",
+            "eagle",
+            "on",
+            est=90 * MiB,
+            retained=MiB,
+            actual=100 * MiB,
+            kv=8 << 30,
+            tokens=[[5, 6, 0], [8, 9]],
+        ),
+    ]
+    out = tmp_path / "out"
+    out.mkdir()
+    for r in runs:
+        _write(out, r)
+    res = tmp_path / "res"
+    rc = summarize.main([str(out), "--results", str(res)])
+    assert rc == 1  # the eagle row fails
+    doc = json.loads((res / "vllm_graph_memory.json").read_text())
+    rows = {r["case"]: r for r in doc["rows"]}
+    base, eagle = rows["base"], rows["eagle"]
+    assert base["pass"] and base["status"] == "PASS"
+    assert base["upstream_error_bytes"] == 5 * MiB
+    assert base["upstream_error_pct"] == pytest.approx(100 * 5 / 36)
+    assert base["plugin_error_bytes"] == 0
+    assert (base["retained_off_bytes"], base["retained_on_bytes"]) == (32 * MiB, 0)
+    assert (base["kv_tokens_off"], base["kv_tokens_on"]) == ((7 << 30) // 1024, (8 << 30) // 1024)
+    assert base["tokens_equal_on_off"] is True
+    assert base["owners_on"] == {"target": {"estimate": 30 * MiB, "actual": 30 * MiB}}
+    assert not eagle["pass"]
+    assert eagle["checks"] == {"estimate": False, "retained": True, "tokens": False}
+    assert eagle["status"] == "FAIL (estimate -10.0 %; tokens differ)"
+    md = (res / "vllm_graph_memory.md").read_text()
+    assert "| tiny | base | 41.0 | 30.0 | 30.0 | 36.0 | +0.0 % (+0.0) | +13.9 % (+5.0) |" in md
+    assert "target 30.0 / 30.0" in md and "| PASS |" in md
+    printed = capsys.readouterr().out
+    assert "SUMMARY: all runs ok=True (4/4), rows PASS=1/2" in printed
+
+    # A second invocation for another size carries the tiny rows over.
+    out2 = tmp_path / "out2"
+    out2.mkdir()
+    for plugin in ("off", "on"):
+        _write(
+            out2,
+            fake_run(
+                "1b",
+                "base",
+                plugin,
+                est=200 * MiB,
+                retained=0,
+                actual=200 * MiB,
+                kv=60 << 30,
+                tokens=toks,
+            ),
+        )
+    res2 = tmp_path / "res2"
+    rc = summarize.main(
+        [str(out2), "--results", str(res2), "--previous", str(res / "vllm_graph_memory.json")]
+    )
+    assert rc == 0  # only this invocation's rows decide
+    doc2 = json.loads((res2 / "vllm_graph_memory.json").read_text())
+    assert [(r["size"], r["case"]) for r in doc2["rows"]] == [
+        ("tiny", "base"),
+        ("tiny", "eagle"),
+        ("1b", "base"),
+    ]
+    assert list(doc2["sizes"]) == ["tiny", "1b"]
+    assert "| 1b | base |" in (res2 / "vllm_graph_memory.md").read_text()
+
+
+def test_summarize_counts_skipped_runs_as_not_run(tmp_path, capsys):
+    for plugin in ("off", "on"):
+        _write(
+            tmp_path,
+            fake_run(
+                "tiny", "base", plugin, est=MiB, retained=0, actual=MiB, kv=1 << 30, tokens=[[1]]
+            ),
+        )
+    (tmp_path / "skipped.txt").write_text("tiny-ngram-off\ntiny-ngram-on\n")
+    assert summarize.main([str(tmp_path)]) == 1
+    doc = json.loads((tmp_path / "bench" / "results" / "vllm_graph_memory.json").read_text())
+    assert doc["skipped"] == ["tiny-ngram-off", "tiny-ngram-on"]
+    assert [r["status"] for r in doc["rows"]] == ["PASS"]
+    assert "skipped for lack of time: tiny-ngram-off tiny-ngram-on" in capsys.readouterr().out
