@@ -259,19 +259,25 @@ def test_spec_summary_and_missing_plugin_report():
     assert run_llm.plugin_report(None) is None
 
 
-def test_owner_figures_reads_list_and_section_shapes():
-    report = {
-        "owners": [
-            {"owner": "target", "num_graphs": 6, "driver_bytes": 4 * MiB, "allocator_bytes": 0},
-            {"owner": "draft", "num_graphs": 10, "driver_bytes": 2 * MiB},
-        ],
-        "actual": {"owners": {"target": {"driver_bytes": 5 * MiB}, "draft": 2 * MiB}},
-    }
+def _plugin_report(estimate: dict[str, int], actual: dict[str, int] | None) -> dict:
+    """The report as the plugin writes it (its own classes, test byte counts)."""
+    from vllm_specgraph.patches.v1.worker.gpu.model_runner import SpecgraphCapture
+    from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory
+
+    def owners(figures):
+        return tuple(OwnerMemory(name, 1, nbytes, 0) for name, nbytes in figures.items())
+
+    report = GraphMemoryReport(owners(estimate), 0, 0, 0, 0, 1.0)
+    return SpecgraphCapture(report, 1.0, None if actual is None else owners(actual)).to_dict()
+
+
+def test_owner_figures_reads_the_plugin_report():
+    report = _plugin_report({"target": 4 * MiB, "draft": 2 * MiB}, {"target": 5 * MiB})
     assert summarize.owner_figures(report) == {
         "target": {"estimate": 4 * MiB, "actual": 5 * MiB},
-        "draft": {"estimate": 2 * MiB, "actual": 2 * MiB},
+        "draft": {"estimate": 2 * MiB, "actual": None},
     }
-    assert summarize.owner_figures({"owners": {"target": {"estimate_bytes": 1}}}) == {
+    assert summarize.owner_figures(_plugin_report({"target": 1}, None)) == {
         "target": {"estimate": 1, "actual": None}
     }
     assert summarize.owner_figures(None) == {}
@@ -285,7 +291,7 @@ def _write(outdir, run: dict) -> None:
 
 def test_summarize_table_checks_and_carry_over(tmp_path, capsys):
     toks = [[5, 6, 7], [8, 9]]
-    report = {"owners": [{"owner": "target", "driver_bytes": 30 * MiB, "actual_bytes": 30 * MiB}]}
+    report = _plugin_report({"target": 30 * MiB}, {"target": 30 * MiB})
     runs = [
         # base: upstream over-estimates and leaves 32 MiB; the plugin is exact.
         fake_run(

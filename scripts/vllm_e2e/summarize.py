@@ -47,8 +47,6 @@ LOG_PATTERNS = (
 PLUGIN_LOG_PREFIX = "SPECGRAPH-LOG"
 PLUGIN_LOG_SHOWN = 8
 # Plausible field names in the plugin's report for an owner's estimate and actual.
-EST_KEYS = ("estimate_bytes", "estimated_bytes", "driver_bytes", "bytes")
-ACT_KEYS = ("actual_bytes", "production_bytes", "captured_bytes", "actual_driver_bytes")
 
 Run = dict[str, Any]
 Key = tuple[str, str, str]
@@ -111,52 +109,20 @@ def kv_tokens(r: Run | None) -> int | None:
     return int(blocks * bs) if blocks is not None and bs is not None else None
 
 
-def _first(d: dict, keys: tuple[str, ...]) -> float | None:
-    for k in keys:
-        if num(d.get(k)) is not None:
-            return d[k]
-    return None
-
-
-def _owner_entries(node: Any) -> list[tuple[str, Any]]:
-    if isinstance(node, dict):
-        return [(str(k), v) for k, v in node.items()]
-    if isinstance(node, list):
-        return [
-            (str(e.get("owner") or e.get("name")), e)
-            for e in node
-            if isinstance(e, dict) and (e.get("owner") or e.get("name"))
-        ]
-    return []
-
-
 def owner_figures(report: Any) -> dict[str, dict[str, float | None]]:
-    """Per-owner estimate and actual bytes from the plugin's report, for the
-    shapes it may take: {"owners": [{"owner": ..., "estimate_bytes"/"driver_bytes":
-    ..., "actual_bytes": ...}]} or {"owners": {name: {...}}}, optionally with a
-    separate {"actual"/"production": {"owners": ...}} section."""
+    """Per-owner driver bytes, estimated and actual, from the plugin's report
+    (``SpecgraphCapture.to_dict()``: ``estimate.owners`` and ``actual``)."""
     out: dict[str, dict[str, float | None]] = {}
     if not isinstance(report, dict):
         return out
-    sections = [(report, EST_KEYS, ACT_KEYS)]
-    for key in ("estimate", "profile"):
-        if isinstance(report.get(key), dict):
-            sections.append((report[key], EST_KEYS, ()))
-    for key in ("actual", "production"):
-        if isinstance(report.get(key), dict):
-            sections.append((report[key], (), EST_KEYS + ACT_KEYS))
-    for node, est_keys, act_keys in sections:
-        for name, entry in _owner_entries(node.get("owners")):
-            slot = out.setdefault(name, {"estimate": None, "actual": None})
-            if isinstance(entry, dict):
-                est, act = _first(entry, est_keys), _first(entry, act_keys)
-            else:
-                est = num(entry) if est_keys else None
-                act = num(entry) if act_keys and not est_keys else None
-            if est is not None:
-                slot["estimate"] = est
-            if act is not None:
-                slot["actual"] = act
+    sections = (
+        ("estimate", (report.get("estimate") or {}).get("owners")),
+        ("actual", report.get("actual")),
+    )
+    for key, owners in sections:
+        for owner in owners or ():
+            slot = out.setdefault(owner["owner"], {"estimate": None, "actual": None})
+            slot[key] = owner["driver_bytes"]
     return out
 
 
