@@ -404,9 +404,9 @@ def test_device_channel_owns_buffer_and_signal_until_freed():
 
 @pytest.mark.parametrize(("nbytes", "slots"), [(0, 4), (16, 0), (-1, 4)])
 def test_device_channel_factory_bad_sizes_raises_value_error(nbytes, slots):
-    with pytest.raises(ValueError, match="must be > 0"):
+    with pytest.raises(ValueError, match="must be >= 1"):
         device_channel_factory(nbytes, "cpu", num_signal_slots=slots)
-    with pytest.raises(ValueError, match="must be > 0"):
+    with pytest.raises(ValueError, match="must be >= 1"):
         DeviceChannel(0, "x", nbytes, "cpu", num_signal_slots=slots)
 
 
@@ -415,3 +415,86 @@ def test_device_channel_factory_creates_channels_with_given_id_and_owner():
     channel = create(3, "draft")
     assert channel.channel_id == 3 and channel.owner == "draft"
     assert channel.buffer.numel() == 32 and channel.signal.numel() == 2
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "slots", "message"),
+    [
+        ("16", 4, r"nbytes must be an int, got '16' \(str\)"),
+        (16.0, 4, r"nbytes must be an int, got 16.0 \(float\)"),
+        (True, 4, r"nbytes must be an int, got True \(bool\)"),
+        (16, None, r"num_signal_slots must be an int, got None \(NoneType\)"),
+    ],
+)
+def test_device_channel_factory_wrong_types_raise_type_error_naming_argument(
+    nbytes, slots, message
+):
+    with pytest.raises(TypeError, match=message):
+        device_channel_factory(nbytes, "cpu", num_signal_slots=slots)
+    with pytest.raises(TypeError, match=message):
+        DeviceChannel(0, "x", nbytes, "cpu", num_signal_slots=slots)
+
+
+@pytest.mark.parametrize(
+    ("channel_id", "owner", "named"),
+    [(-1, "x", "channel_id"), ("0", "x", "channel_id"), (0, 5, "owner")],
+)
+def test_device_channel_bad_id_or_owner_raises_naming_argument(channel_id, owner, named):
+    with pytest.raises((TypeError, ValueError), match=named):
+        DeviceChannel(channel_id, owner, 16, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"name": None}, "name must be a non-empty str, got None"),
+        ({"name": ""}, "name must be a non-empty str, got ''"),
+        ({"create_channel": 3}, "create_channel must be callable, got 3"),
+        ({"barrier": "dist.barrier"}, "barrier must be callable, got 'dist.barrier'"),
+        ({"synchronize": 0}, "synchronize must be callable, got 0"),
+    ],
+)
+def test_init_wrong_types_raise_type_error_naming_argument(kwargs, named):
+    args = {"name": "tp", "create_channel": lambda cid, owner: None} | kwargs
+    with pytest.raises(TypeError, match=named):
+        ChannelPool(**args)
+
+
+@pytest.mark.parametrize("owner", [None, 3, ""])
+def test_capture_bad_owner_raises_type_error_and_changes_nothing(owner):
+    pool, events = _make_pool()
+    with pytest.raises(TypeError, match="owner must be a non-empty str"), pool.capture(owner):
+        pass
+    assert pool.num_channels == 0 and events == []
+    pool.checkpoint()  # no capture was left counted as active
+
+
+def test_create_channel_returning_non_channel_raises_type_error_and_keeps_nothing():
+    pool = ChannelPool("tp", lambda cid, owner: object(), synchronize=lambda: None)
+    message = r"create_channel\(0, 'target'\) returned .*not a Channel"
+    with pytest.raises(TypeError, match=message), pool.capture("target"):
+        pass
+    assert pool.num_channels == 0
+    pool.checkpoint()
+
+
+def test_rollback_wrong_checkpoint_type_raises_type_error_and_changes_nothing():
+    pool, events = _make_pool()
+    cp = pool.checkpoint()
+    pool.current()
+    before, num_events = _state(pool), len(events)
+    with pytest.raises(TypeError, match="cp must be a ChannelCheckpoint, got None"):
+        pool.rollback(None)
+    with pytest.raises(TypeError, match="cp must be a ChannelCheckpoint, got PoolsCheckpoint"):
+        pool.rollback(checkpoint_pools([pool]))
+    with pytest.raises(TypeError, match="cp must be a PoolsCheckpoint"):
+        rollback_pools(cp)
+    assert _state(pool) == before and len(events) == num_events
+
+
+def test_checkpoint_pools_single_pool_or_other_objects_raise_type_error():
+    pool, _ = _make_pool()
+    with pytest.raises(TypeError, match=r"single pool 'tp'; pass \[pool\]"):
+        checkpoint_pools(pool)
+    with pytest.raises(TypeError, match=r"pools\[1\] must be a ChannelPool, got 'tp'"):
+        checkpoint_pools([pool, "tp"])

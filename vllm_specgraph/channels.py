@@ -97,11 +97,36 @@ def _synchronize_device() -> None:
         torch.cuda.synchronize()
 
 
-def _check_sizes(nbytes: int, num_signal_slots: int) -> None:
-    if nbytes <= 0 or num_signal_slots <= 0:
-        raise ValueError(
-            f"nbytes and num_signal_slots must be > 0, got {nbytes}, {num_signal_slots}"
+def _check_int(name: str, value: object, minimum: int, fix: str) -> None:
+    # Type before range: "'<=' not supported between 'str' and 'int'" names nothing.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}); {fix}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}; {fix}")
+
+
+def _check_str(name: str, value: object, fix: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise TypeError(
+            f"{name} must be a non-empty str, got {value!r} ({type(value).__name__}); {fix}"
         )
+
+
+def _check_callable(name: str, value: object, fix: str) -> None:
+    if not callable(value):
+        raise TypeError(f"{name} must be callable, got {value!r} ({type(value).__name__}); {fix}")
+
+
+def _check_instance(name: str, value: object, expected: type, fix: str) -> None:
+    if not isinstance(value, expected):
+        raise TypeError(
+            f"{name} must be a {expected.__name__}, got {value!r} ({type(value).__name__}); {fix}"
+        )
+
+
+def _check_sizes(nbytes: int, num_signal_slots: int) -> None:
+    _check_int("nbytes", nbytes, 1, "pass the channel buffer's size in bytes, e.g. 1 << 20")
+    _check_int("num_signal_slots", num_signal_slots, 1, "pass the number of int32 slots, e.g. 64")
 
 
 def _stream_is_capturing() -> bool:
@@ -133,6 +158,13 @@ class ChannelPool:
         barrier: Callable[[], object] | None = None,
         synchronize: Callable[[], object] | None = None,
     ) -> None:
+        _check_str("name", name, "label the pool after its communicator, e.g. 'tp'")
+        _check_callable(
+            "create_channel", create_channel, "pass a factory (channel_id, owner) -> Channel"
+        )
+        for arg, fn in (("barrier", barrier), ("synchronize", synchronize)):
+            if fn is not None:
+                _check_callable(arg, fn, f"pass a function of no arguments, or leave {arg} out")
         self._name = name
         self._serial = next(_pool_serials)
         self._create_channel = create_channel
@@ -175,6 +207,7 @@ class ChannelPool:
         Guarantees: :meth:`current` returns this channel inside the block, in this thread or
         task only; the previous binding is restored on exit, also on exceptions.
         """
+        _check_str("owner", owner, "name the capture's owner, e.g. owner='draft'")
         stack = self._stack.get()
         channel = stack[-1] if stack else self._create(owner)
         reset_token = self._stack.set((*stack, channel))
@@ -226,6 +259,7 @@ class ChannelPool:
         and was neither used nor invalidated by an earlier rollback. A refused call changes
         nothing. Guarantees: ``cp`` and every checkpoint taken after it become unusable.
         """
+        _check_instance("cp", cp, ChannelCheckpoint, "pass what checkpoint() returned")
         with self._lock:
             self._check_rollback(cp)
             doomed = self._channels[cp.num_channels :]
@@ -262,6 +296,12 @@ class ChannelPool:
             self._check_open()
             channel_id = self._next_channel_id
             channel = self._create_channel(channel_id, owner)
+            if not isinstance(channel, Channel):
+                raise TypeError(
+                    f"ChannelPool {self._name!r}: create_channel({channel_id}, {owner!r}) "
+                    f"returned {channel!r} ({type(channel).__name__}), not a Channel; return "
+                    f"an object with channel_id, close_imports() and free_exports()"
+                )
             self._next_channel_id += 1
             self._channels.append(channel)
             return channel
@@ -314,8 +354,14 @@ def checkpoint_pools(pools: Iterable[ChannelPool]) -> PoolsCheckpoint:
     Requires: no capture is active on any of them. A refused call leaves earlier pools'
     checkpoints unused, which is harmless.
     """
+    if isinstance(pools, ChannelPool):
+        raise TypeError(
+            f"pools must be an iterable of ChannelPool, got the single pool {pools.name!r}; "
+            f"pass [pool]"
+        )
     distinct: dict[int, ChannelPool] = {}
-    for pool in pools:
+    for i, pool in enumerate(pools):
+        _check_instance(f"pools[{i}]", pool, ChannelPool, "pass only ChannelPool objects")
         distinct.setdefault(id(pool), pool)
     ordered = tuple(distinct.values())
     return PoolsCheckpoint(ordered, tuple(pool.checkpoint() for pool in ordered))
@@ -327,6 +373,7 @@ def rollback_pools(cp: PoolsCheckpoint) -> None:
     Requires: as for :meth:`ChannelPool.rollback`, on every pool. All pools are checked
     before any is rolled back, so a refused call changes nothing.
     """
+    _check_instance("cp", cp, PoolsCheckpoint, "pass what checkpoint_pools() returned")
     pairs = list(zip(cp.pools, cp.checkpoints, strict=True))
     for pool, pool_cp in pairs:
         with pool._lock:
@@ -351,6 +398,8 @@ class DeviceChannel:
         device: torch.device | str | int,
         num_signal_slots: int = 64,
     ) -> None:
+        _check_int("channel_id", channel_id, 0, "pass the id the pool assigned")
+        _check_str("owner", owner, "name the channel's owner, e.g. 'target'")
         _check_sizes(nbytes, num_signal_slots)
         self.channel_id = channel_id
         self.owner = owner
