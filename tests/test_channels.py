@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -498,3 +500,57 @@ def test_checkpoint_pools_single_pool_or_other_objects_raise_type_error():
         checkpoint_pools(pool)
     with pytest.raises(TypeError, match=r"pools\[1\] must be a ChannelPool, got 'tp'"):
         checkpoint_pools([pool, "tp"])
+
+
+def test_capture_and_rollback_in_threads_never_hand_out_a_closed_channel():
+    """Two threads capture while a third checkpoints and rolls back, as fast as they can."""
+    closed_ids: list[int] = []
+
+    class _ClosableChannel:
+        def __init__(self, channel_id: int, owner: str) -> None:
+            self.channel_id, self.owner, self.closed = channel_id, owner, False
+
+        def close_imports(self) -> None:
+            self.closed = True
+
+        def free_exports(self) -> None:
+            closed_ids.append(self.channel_id)
+
+    pool = ChannelPool("tp", _ClosableChannel, synchronize=lambda: None)
+    stop = threading.Event()
+    bad: list[str] = []
+
+    def capture_loop() -> None:
+        try:
+            while not stop.is_set():
+                with pool.capture("target") as channel:
+                    if channel.closed or channel not in pool.channels:
+                        bad.append(f"capture got channel {channel.channel_id}, rolled back")
+                time.sleep(0)  # leave the rollback thread moments when no capture is active
+        except Exception as exc:
+            bad.append(repr(exc))
+
+    def rollback_loop() -> None:
+        while not stop.is_set():
+            try:
+                pool.rollback(pool.checkpoint())
+            except RuntimeError as exc:
+                if "refused" not in str(exc):  # refusals are expected while captures run
+                    bad.append(repr(exc))
+
+    # Switching threads every microsecond opens any unguarded window within milliseconds.
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    threads = [threading.Thread(target=capture_loop) for _ in range(2)]
+    threads.append(threading.Thread(target=rollback_loop))
+    try:
+        for thread in threads:
+            thread.start()
+        stop.wait(0.5)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=5)
+        sys.setswitchinterval(switch_interval)
+    assert bad == []
+    assert closed_ids, "no rollback closed a channel: the test exercised nothing"

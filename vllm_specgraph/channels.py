@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -189,12 +189,14 @@ class ChannelPool:
 
     @property
     def num_channels(self) -> int:
-        return len(self._channels)
+        with self._lock:
+            return len(self._channels)
 
     @property
     def channels(self) -> tuple[Channel, ...]:
         """Snapshot of every live channel, oldest first (eager channel included)."""
-        return tuple(self._channels)
+        with self._lock:
+            return tuple(self._channels)
 
     @contextmanager
     def capture(self, owner: str = "capture") -> Iterator[Channel]:
@@ -209,16 +211,19 @@ class ChannelPool:
         """
         _check_str("owner", owner, "name the capture's owner, e.g. owner='draft'")
         stack = self._stack.get()
-        channel = stack[-1] if stack else self._create(owner)
-        reset_token = self._stack.set((*stack, channel))
+        # Picking (or creating) the channel and counting the capture are one step: a
+        # rollback in another thread either cuts back before the channel exists or sees
+        # this capture and refuses, so it can never close the channel handed out here.
         with self._lock:
+            channel = stack[-1] if stack else self._create(owner)
             self._num_active_captures += 1
+        reset_token = self._stack.set((*stack, channel))
         try:
             yield channel
         finally:
+            self._stack.reset(reset_token)
             with self._lock:
                 self._num_active_captures -= 1
-            self._stack.reset(reset_token)
 
     def current(self) -> Channel:
         """Channel of the active capture, else the eager channel (created on first use).
@@ -237,7 +242,7 @@ class ChannelPool:
     def checkpoint(self) -> ChannelCheckpoint:
         """Record the current channels so :meth:`rollback` can close every newer one.
 
-        Requires: no capture is active on this pool (RuntimeError otherwise).
+        Requires: no capture is active on this pool, in any thread (RuntimeError otherwise).
         """
         with self._lock:
             self._check_idle("checkpoint()")
@@ -255,9 +260,10 @@ class ChannelPool:
         the next eager use creates a new one. Collective: every rank must call it.
 
         Requires: every graph that references those channels is already destroyed and the
-        device synchronized; no capture is active on this pool; ``cp`` came from this pool
-        and was neither used nor invalidated by an earlier rollback. A refused call changes
-        nothing. Guarantees: ``cp`` and every checkpoint taken after it become unusable.
+        device synchronized; no capture is active on this pool in any thread; ``cp`` came
+        from this pool and was neither used nor invalidated by an earlier rollback. A refused
+        call changes nothing. Guarantees: ``cp`` and every checkpoint taken after it become
+        unusable; the pool's lock is held throughout, so no capture starts meanwhile.
         """
         _check_instance("cp", cp, ChannelCheckpoint, "pass what checkpoint() returned")
         with self._lock:
@@ -351,8 +357,8 @@ class ChannelPool:
 def checkpoint_pools(pools: Iterable[ChannelPool]) -> PoolsCheckpoint:
     """Checkpoint each distinct pool once, in first-seen order (groups may share a pool).
 
-    Requires: no capture is active on any of them. A refused call leaves earlier pools'
-    checkpoints unused, which is harmless.
+    Requires: no capture is active on any of them (RuntimeError otherwise, and no pool is
+    checkpointed). Every pool's lock is held throughout, so no capture starts in between.
     """
     if isinstance(pools, ChannelPool):
         raise TypeError(
@@ -364,22 +370,35 @@ def checkpoint_pools(pools: Iterable[ChannelPool]) -> PoolsCheckpoint:
         _check_instance(f"pools[{i}]", pool, ChannelPool, "pass only ChannelPool objects")
         distinct.setdefault(id(pool), pool)
     ordered = tuple(distinct.values())
-    return PoolsCheckpoint(ordered, tuple(pool.checkpoint() for pool in ordered))
+    with _locked(ordered):
+        for pool in ordered:
+            pool._check_idle("checkpoint_pools()")
+        return PoolsCheckpoint(ordered, tuple(pool.checkpoint() for pool in ordered))
 
 
 def rollback_pools(cp: PoolsCheckpoint) -> None:
     """Roll back every pool of ``cp`` in reverse checkpoint order.
 
     Requires: as for :meth:`ChannelPool.rollback`, on every pool. All pools are checked
-    before any is rolled back, so a refused call changes nothing.
+    before any is rolled back, and every pool's lock is held from the checks to the end,
+    so a refused call changes nothing and no capture starts in between.
     """
     _check_instance("cp", cp, PoolsCheckpoint, "pass what checkpoint_pools() returned")
     pairs = list(zip(cp.pools, cp.checkpoints, strict=True))
-    for pool, pool_cp in pairs:
-        with pool._lock:
+    with _locked(cp.pools):
+        for pool, pool_cp in pairs:
             pool._check_rollback(pool_cp)
-    for pool, pool_cp in reversed(pairs):
-        pool.rollback(pool_cp)
+        for pool, pool_cp in reversed(pairs):
+            pool.rollback(pool_cp)
+
+
+@contextmanager
+def _locked(pools: Iterable[ChannelPool]) -> Iterator[None]:
+    """Hold every pool's lock, taken in serial order so two callers cannot deadlock."""
+    with ExitStack() as stack:
+        for pool in sorted(pools, key=lambda p: p._serial):
+            stack.enter_context(pool._lock)
+        yield
 
 
 class DeviceChannel:
