@@ -12,6 +12,7 @@ import torch
 
 from vllm_specgraph.channels import (
     Channel,
+    ChannelCloseError,
     ChannelPool,
     DeviceChannel,
     checkpoint_pools,
@@ -554,3 +555,153 @@ def test_capture_and_rollback_in_threads_never_hand_out_a_closed_channel():
         sys.setswitchinterval(switch_interval)
     assert bad == []
     assert closed_ids, "no rollback closed a channel: the test exercised nothing"
+
+
+class _FailingChannel(_FakeChannel):
+    """A fake channel whose ``fail`` step raises OSError the first ``times`` times."""
+
+    def __init__(self, *args, fail: str, times: int = 1) -> None:
+        super().__init__(*args)
+        self._fail, self._times = fail, times
+
+    def close_imports(self) -> None:
+        self._maybe_fail("close_imports")
+        super().close_imports()
+
+    def free_exports(self) -> None:
+        self._maybe_fail("free_exports")
+        super().free_exports()
+
+    def _maybe_fail(self, step: str) -> None:
+        if step == self._fail and self._times > 0:
+            self._times -= 1
+            self._events.append((f"{step} failed", self._pool_name, self.channel_id))
+            raise OSError(f"{step} of channel {self.channel_id} failed")
+
+
+def _make_pool_failing(fail: str, failing_id: int, name: str = "tp", events=None):
+    """A pool like _make_pool whose channel ``failing_id`` fails ``fail`` once."""
+    events = [] if events is None else events
+
+    def create_channel(channel_id: int, owner: str) -> Channel:
+        if channel_id == failing_id:
+            return _FailingChannel(channel_id, owner, name, events, fail=fail)
+        return _FakeChannel(channel_id, owner, name, events)
+
+    pool = ChannelPool(
+        name,
+        create_channel,
+        barrier=lambda: events.append(("barrier", name)),
+        synchronize=lambda: events.append(("sync", name)),
+    )
+    return pool, events
+
+
+def _capture_three(pool: ChannelPool) -> None:
+    for owner in ("target", "draft", "encoder"):
+        with pool.capture(owner=owner):
+            pass
+
+
+def test_rollback_close_imports_fails_keeps_channels_owned_and_retry_close_finishes():
+    pool, events = _make_pool_failing("close_imports", failing_id=2)
+    eager = pool.current()
+    cp = pool.checkpoint()
+    _capture_three(pool)  # channels 1, 2, 3
+    doomed = pool.channels[1:]
+    events.clear()
+    with pytest.raises(
+        ChannelCloseError, match=r"channel\(s\) \[3, 2, 1\].*retry_close\(\)"
+    ) as info:
+        pool.rollback(cp)
+    assert "close_imports failed for channel 2: OSError" in str(info.value)
+    assert info.value.channel_ids == (3, 2, 1) and info.value.pool_name == "tp"
+    # The other channels' imports were still closed; nothing was freed past the failure.
+    assert events == [
+        ("sync", "tp"),
+        ("barrier", "tp"),
+        ("close_imports", "tp", 3),
+        ("close_imports failed", "tp", 2),
+        ("close_imports", "tp", 1),
+    ]
+    assert pool.channels == (eager,)
+    assert pool.unclosed_channels == doomed[::-1]
+    events.clear()
+    pool.retry_close()
+    assert events == [
+        ("sync", "tp"),
+        ("barrier", "tp"),
+        ("close_imports", "tp", 2),  # only the one that failed
+        ("barrier", "tp"),
+        *[("free_exports", "tp", i) for i in (3, 2, 1)],
+        ("barrier", "tp"),
+    ]
+    assert pool.unclosed_channels == ()
+
+
+def test_rollback_free_exports_fails_keeps_only_that_channel_owned():
+    pool, events = _make_pool_failing("free_exports", failing_id=1)
+    cp = pool.checkpoint()
+    _capture_three(pool)  # channels 0, 1, 2
+    with pytest.raises(ChannelCloseError, match=r"free_exports .*channel\(s\) \[1\]"):
+        pool.rollback(cp)
+    assert [e[2] for e in events if e[0] == "free_exports"] == [2, 0]
+    assert [ch.channel_id for ch in pool.unclosed_channels] == [1]
+    assert pool.channels == ()
+    events.clear()
+    pool.retry_close()
+    assert [e for e in events if e[0] in ("close_imports", "free_exports")] == [
+        ("free_exports", "tp", 1)
+    ]
+    assert pool.unclosed_channels == ()
+
+
+def test_rollback_barrier_fails_keeps_every_channel_owned_and_retry_close_finishes():
+    events: list[tuple] = []
+    num_barriers = [0]
+
+    def barrier() -> None:
+        num_barriers[0] += 1
+        if num_barriers[0] == 2:  # the one between close_imports and free_exports
+            raise TimeoutError("peer rank did not arrive")
+
+    pool = ChannelPool(
+        "tp", lambda cid, owner: _FakeChannel(cid, owner, "tp", events), barrier=barrier
+    )
+    cp = pool.checkpoint()
+    _capture_three(pool)
+    doomed = pool.channels
+    with pytest.raises(ChannelCloseError, match=r"second barrier.*\[2, 1, 0\]"):
+        pool.rollback(cp)
+    assert pool.unclosed_channels == doomed[::-1]
+    assert not [e for e in events if e[0] == "free_exports"]
+    pool.retry_close()
+    assert [e[2] for e in events if e[0] == "free_exports"] == [2, 1, 0]
+    assert [e[2] for e in events if e[0] == "close_imports"] == [2, 1, 0]  # not twice
+    assert pool.unclosed_channels == ()
+
+
+def test_close_fails_then_retry_close_on_closed_pool_frees_the_rest():
+    pool, events = _make_pool_failing("close_imports", failing_id=0)
+    pool.current()
+    with pytest.raises(ChannelCloseError, match=r"close\(\) failed"):
+        pool.close()
+    assert [ch.channel_id for ch in pool.unclosed_channels] == [0]
+    pool.retry_close()
+    assert pool.unclosed_channels == ()
+    assert ("free_exports", "tp", 0) in events
+
+
+def test_rollback_pools_one_pool_fails_to_close_the_others_still_roll_back():
+    events: list[tuple] = []
+    tp, _ = _make_pool_failing("close_imports", failing_id=0, name="tp", events=events)
+    pp, _ = _make_pool("pp", events)
+    cp = checkpoint_pools([tp, pp])
+    for pool in (tp, pp):
+        with pool.capture(owner="target"):
+            pass
+    with pytest.raises(ChannelCloseError, match="'tp'"):
+        rollback_pools(cp)  # pp first (reverse order), then tp fails
+    assert pp.num_channels == 0 and pp.unclosed_channels == ()
+    assert ("free_exports", "pp", 0) in events
+    assert [ch.channel_id for ch in tp.unclosed_channels] == [0]

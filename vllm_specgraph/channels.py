@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -29,6 +29,7 @@ import torch
 __all__ = [
     "Channel",
     "ChannelCheckpoint",
+    "ChannelCloseError",
     "ChannelPool",
     "CreateChannelFn",
     "DeviceChannel",
@@ -129,6 +130,47 @@ def _check_sizes(nbytes: int, num_signal_slots: int) -> None:
     _check_int("num_signal_slots", num_signal_slots, 1, "pass the number of int32 slots, e.g. 64")
 
 
+class ChannelCloseError(RuntimeError):
+    """Closing channels failed part-way; the pool still owns every channel not yet freed.
+
+    Attributes:
+        pool_name: the pool's name.
+        channel_ids: ids of the channels still owned and not freed, newest first (see
+            :attr:`ChannelPool.unclosed_channels`); :meth:`ChannelPool.retry_close` finishes
+            them.
+    """
+
+    def __init__(self, message: str, pool_name: str, channel_ids: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.pool_name = pool_name
+        self.channel_ids = channel_ids
+
+
+@dataclass(slots=True)
+class _Closing:
+    """A channel on its way out and the close steps it completed, so a retry can resume."""
+
+    channel: Channel
+    done: set[str] = field(default_factory=set)  # "close_imports", "free_exports"
+
+
+def _close_step(closing: list[_Closing], step: str) -> None:
+    """Run ``step`` on every channel not past it yet; one failure does not stop the others."""
+    failures: list[tuple[int, Exception]] = []
+    for entry in closing:
+        if step in entry.done:
+            continue
+        try:
+            getattr(entry.channel, step)()
+        except Exception as exc:
+            failures.append((entry.channel.channel_id, exc))
+        else:
+            entry.done.add(step)
+    if failures:
+        detail = "; ".join(f"channel {cid}: {exc!r}" for cid, exc in failures)
+        raise RuntimeError(f"{step} failed for {detail}") from failures[0][1]
+
+
 def _stream_is_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -176,6 +218,9 @@ class ChannelPool:
         self._live_tokens: set[int] = set()
         self._num_active_captures = 0  # across all threads/tasks, unlike the stack below
         self._closed = False
+        # Channels cut back or closed whose close failed part-way, newest first: still owned
+        # (their memory may not be freed) until retry_close() finishes them.
+        self._unclosed: list[_Closing] = []
         # Reentrant so a factory that inspects the pool cannot deadlock itself.
         self._lock = threading.RLock()
         # Per pool and per context: threads and asyncio tasks each see their own captures.
@@ -197,6 +242,15 @@ class ChannelPool:
         """Snapshot of every live channel, oldest first (eager channel included)."""
         with self._lock:
             return tuple(self._channels)
+
+    @property
+    def unclosed_channels(self) -> tuple[Channel, ...]:
+        """Channels a failed rollback or close left owned and not freed, newest first.
+
+        They are no longer handed out; :meth:`retry_close` finishes closing them.
+        """
+        with self._lock:
+            return tuple(entry.channel for entry in self._unclosed)
 
     @contextmanager
     def capture(self, owner: str = "capture") -> Iterator[Channel]:
@@ -259,6 +313,10 @@ class ChannelPool:
         ``free_exports``; barrier. An eager channel created after ``cp`` is dropped too, and
         the next eager use creates a new one. Collective: every rank must call it.
 
+        If a step fails, the step still runs for the other channels, then the sequence
+        stops and :class:`ChannelCloseError` names the channels not yet freed; the pool
+        keeps them in :attr:`unclosed_channels` for :meth:`retry_close`.
+
         Requires: every graph that references those channels is already destroyed and the
         device synchronized; no capture is active on this pool in any thread; ``cp`` came
         from this pool and was neither used nor invalidated by an earlier rollback. A refused
@@ -273,13 +331,14 @@ class ChannelPool:
             if self._eager is not None and any(ch is self._eager for ch in doomed):
                 self._eager = None
             self._live_tokens = {t for t in self._live_tokens if t < cp.token}
-            self._close_coordinated(doomed[::-1])
+            self._close_coordinated(doomed[::-1], "rollback()")
 
     def close(self) -> None:
         """Close every channel, newest first, in the coordinated order of :meth:`rollback`.
 
         Requires: as for :meth:`rollback`. Guarantees: the pool refuses further use;
-        a second call does nothing.
+        a second call does nothing. Channels that an earlier failed rollback left unclosed
+        are closed too; if this close fails, :meth:`retry_close` still works.
         """
         with self._lock:
             if self._closed:
@@ -290,7 +349,18 @@ class ChannelPool:
             self._eager = None
             self._live_tokens.clear()
             self._closed = True
-            self._close_coordinated(doomed)
+            self._close_coordinated(doomed, "close()")
+
+    def retry_close(self) -> None:
+        """Finish closing :attr:`unclosed_channels`, each from the step where it stopped.
+
+        Collective, in the order of :meth:`rollback`: every rank calls it, also a rank with
+        nothing left to close (a failure on one rank can leave its peers with nothing), so
+        every rank takes part in the same barriers. Legal after :meth:`close`. Raises
+        :class:`ChannelCloseError` again if a step fails again.
+        """
+        with self._lock:
+            self._run_close_steps("retry_close()")
 
     def _create(self, owner: str) -> Channel:
         if _stream_is_capturing():
@@ -339,19 +409,47 @@ class ChannelPool:
                 f"invalidated by an earlier rollback; take a new checkpoint()"
             )
 
-    def _close_coordinated(self, newest_first: list[Channel]) -> None:
+    def _close_coordinated(self, newest_first: list[Channel], what: str) -> None:
         if not newest_first:
             return
+        # Owned until freed: a failure below must not make the pool forget them.
+        self._unclosed[:0] = [_Closing(channel) for channel in newest_first]
+        self._run_close_steps(what)
+
+    def _run_close_steps(self, what: str) -> None:
+        closing = self._unclosed
         # No rank may unmap or free while a peer's kernel can still touch the memory, and no
         # rank may free its exports while a peer still maps them; the barriers order that.
-        self._synchronize()
-        self._barrier()
-        for channel in newest_first:
-            channel.close_imports()
-        self._barrier()
-        for channel in newest_first:
-            channel.free_exports()
-        self._barrier()
+        steps: list[tuple[str, Callable[[], object]]] = [
+            ("synchronize", self._synchronize),
+            ("the first barrier", self._barrier),
+            ("close_imports", lambda: _close_step(closing, "close_imports")),
+            ("the second barrier", self._barrier),
+            ("free_exports", lambda: _close_step(closing, "free_exports")),
+            ("the last barrier", self._barrier),
+        ]
+        for label, step in steps:
+            try:
+                step()
+            except Exception as exc:
+                self._unclosed = [e for e in closing if "free_exports" not in e.done]
+                raise self._close_error(what, label, exc) from exc
+        self._unclosed = []
+
+    def _close_error(self, what: str, label: str, exc: Exception) -> ChannelCloseError:
+        ids = tuple(entry.channel.channel_id for entry in self._unclosed)
+        if ids:
+            outcome = (
+                f"the pool still owns channel(s) {list(ids)}, not yet freed. Fix the cause, "
+                f"then call retry_close() on every rank"
+            )
+        else:
+            outcome = "every channel was freed, but the ranks may be out of step"
+        return ChannelCloseError(
+            f"ChannelPool {self._name!r}: {what} failed in {label} ({exc}); {outcome}",
+            self._name,
+            ids,
+        )
 
 
 def checkpoint_pools(pools: Iterable[ChannelPool]) -> PoolsCheckpoint:
@@ -381,15 +479,25 @@ def rollback_pools(cp: PoolsCheckpoint) -> None:
 
     Requires: as for :meth:`ChannelPool.rollback`, on every pool. All pools are checked
     before any is rolled back, and every pool's lock is held from the checks to the end,
-    so a refused call changes nothing and no capture starts in between.
+    so a refused call changes nothing and no capture starts in between. A pool whose
+    channels fail to close does not stop the others; the first :class:`ChannelCloseError`
+    is raised once all were rolled back, with the others as notes.
     """
     _check_instance("cp", cp, PoolsCheckpoint, "pass what checkpoint_pools() returned")
     pairs = list(zip(cp.pools, cp.checkpoints, strict=True))
+    failures: list[ChannelCloseError] = []
     with _locked(cp.pools):
         for pool, pool_cp in pairs:
             pool._check_rollback(pool_cp)
         for pool, pool_cp in reversed(pairs):
-            pool.rollback(pool_cp)
+            try:
+                pool.rollback(pool_cp)
+            except ChannelCloseError as exc:
+                failures.append(exc)  # the other pools still roll back, in the same order
+    if failures:
+        for other in failures[1:]:
+            failures[0].add_note(f"also: {other}")
+        raise failures[0]
 
 
 @contextmanager
