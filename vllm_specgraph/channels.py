@@ -26,6 +26,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from vllm_specgraph._checks import check_callable, check_instance, check_str
+from vllm_specgraph.device_channel import DeviceChannel, device_channel_factory
+
 __all__ = [
     "Channel",
     "ChannelCheckpoint",
@@ -98,38 +101,6 @@ def _synchronize_device() -> None:
         torch.cuda.synchronize()
 
 
-def _check_int(name: str, value: object, minimum: int, fix: str) -> None:
-    # Type before range: "'<=' not supported between 'str' and 'int'" names nothing.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}); {fix}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}; {fix}")
-
-
-def _check_str(name: str, value: object, fix: str) -> None:
-    if not isinstance(value, str) or not value:
-        raise TypeError(
-            f"{name} must be a non-empty str, got {value!r} ({type(value).__name__}); {fix}"
-        )
-
-
-def _check_callable(name: str, value: object, fix: str) -> None:
-    if not callable(value):
-        raise TypeError(f"{name} must be callable, got {value!r} ({type(value).__name__}); {fix}")
-
-
-def _check_instance(name: str, value: object, expected: type, fix: str) -> None:
-    if not isinstance(value, expected):
-        raise TypeError(
-            f"{name} must be a {expected.__name__}, got {value!r} ({type(value).__name__}); {fix}"
-        )
-
-
-def _check_sizes(nbytes: int, num_signal_slots: int) -> None:
-    _check_int("nbytes", nbytes, 1, "pass the channel buffer's size in bytes, e.g. 1 << 20")
-    _check_int("num_signal_slots", num_signal_slots, 1, "pass the number of int32 slots, e.g. 64")
-
-
 class ChannelCloseError(RuntimeError):
     """Closing channels failed part-way; the pool still owns every channel not yet freed.
 
@@ -200,13 +171,13 @@ class ChannelPool:
         barrier: Callable[[], object] | None = None,
         synchronize: Callable[[], object] | None = None,
     ) -> None:
-        _check_str("name", name, "label the pool after its communicator, e.g. 'tp'")
-        _check_callable(
+        check_str("name", name, "label the pool after its communicator, e.g. 'tp'")
+        check_callable(
             "create_channel", create_channel, "pass a factory (channel_id, owner) -> Channel"
         )
         for arg, fn in (("barrier", barrier), ("synchronize", synchronize)):
             if fn is not None:
-                _check_callable(arg, fn, f"pass a function of no arguments, or leave {arg} out")
+                check_callable(arg, fn, f"pass a function of no arguments, or leave {arg} out")
         self._name = name
         self._serial = next(_pool_serials)
         self._create_channel = create_channel
@@ -263,7 +234,7 @@ class ChannelPool:
         Guarantees: :meth:`current` returns this channel inside the block, in this thread or
         task only; the previous binding is restored on exit, also on exceptions.
         """
-        _check_str("owner", owner, "name the capture's owner, e.g. owner='draft'")
+        check_str("owner", owner, "name the capture's owner, e.g. owner='draft'")
         stack = self._stack.get()
         # Picking (or creating) the channel and counting the capture are one step: a
         # rollback in another thread either cuts back before the channel exists or sees
@@ -323,7 +294,7 @@ class ChannelPool:
         call changes nothing. Guarantees: ``cp`` and every checkpoint taken after it become
         unusable; the pool's lock is held throughout, so no capture starts meanwhile.
         """
-        _check_instance("cp", cp, ChannelCheckpoint, "pass what checkpoint() returned")
+        check_instance("cp", cp, ChannelCheckpoint, "pass what checkpoint() returned")
         with self._lock:
             self._check_rollback(cp)
             doomed = self._channels[cp.num_channels :]
@@ -465,7 +436,7 @@ def checkpoint_pools(pools: Iterable[ChannelPool]) -> PoolsCheckpoint:
         )
     distinct: dict[int, ChannelPool] = {}
     for i, pool in enumerate(pools):
-        _check_instance(f"pools[{i}]", pool, ChannelPool, "pass only ChannelPool objects")
+        check_instance(f"pools[{i}]", pool, ChannelPool, "pass only ChannelPool objects")
         distinct.setdefault(id(pool), pool)
     ordered = tuple(distinct.values())
     with _locked(ordered):
@@ -483,7 +454,7 @@ def rollback_pools(cp: PoolsCheckpoint) -> None:
     channels fail to close does not stop the others; the first :class:`ChannelCloseError`
     is raised once all were rolled back, with the others as notes.
     """
-    _check_instance("cp", cp, PoolsCheckpoint, "pass what checkpoint_pools() returned")
+    check_instance("cp", cp, PoolsCheckpoint, "pass what checkpoint_pools() returned")
     pairs = list(zip(cp.pools, cp.checkpoints, strict=True))
     failures: list[ChannelCloseError] = []
     with _locked(cp.pools):
@@ -507,68 +478,3 @@ def _locked(pools: Iterable[ChannelPool]) -> Iterator[None]:
         for pool in sorted(pools, key=lambda p: p._serial):
             stack.enter_context(pool._lock)
         yield
-
-
-class DeviceChannel:
-    """Single-process channel: a ``uint8`` buffer and ``int32`` signal slots on one device.
-
-    Owns: both tensors, until :meth:`free_exports`. Kernels captured with them borrow them.
-    Using the channel after :meth:`close_imports` or :meth:`free_exports` raises
-    RuntimeError. Creating one allocates, so it is not legal during capture.
-    """
-
-    def __init__(
-        self,
-        channel_id: int,
-        owner: str,
-        nbytes: int,
-        device: torch.device | str | int,
-        num_signal_slots: int = 64,
-    ) -> None:
-        _check_int("channel_id", channel_id, 0, "pass the id the pool assigned")
-        _check_str("owner", owner, "name the channel's owner, e.g. 'target'")
-        _check_sizes(nbytes, num_signal_slots)
-        self.channel_id = channel_id
-        self.owner = owner
-        self._buffer: torch.Tensor | None = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        self._signal: torch.Tensor | None = torch.zeros(
-            num_signal_slots, dtype=torch.int32, device=device
-        )
-        self._closed = False
-
-    @property
-    def buffer(self) -> torch.Tensor:
-        return self._live(self._buffer, "buffer")
-
-    @property
-    def signal(self) -> torch.Tensor:
-        return self._live(self._signal, "signal")
-
-    def close_imports(self) -> None:
-        # One process imports nothing; only mark the channel unusable.
-        self._closed = True
-
-    def free_exports(self) -> None:
-        self._closed = True
-        self._buffer = None
-        self._signal = None
-
-    def _live(self, tensor: torch.Tensor | None, what: str) -> torch.Tensor:
-        if self._closed or tensor is None:
-            raise RuntimeError(
-                f"channel {self.channel_id} ({self.owner!r}) is closed; {what} is gone. "
-                f"Use pool.current() or a new pool.capture() for a live channel"
-            )
-        return tensor
-
-
-def device_channel_factory(
-    nbytes: int, device: torch.device | str | int, num_signal_slots: int = 64
-) -> CreateChannelFn:
-    """Return a ``create_channel`` for :class:`ChannelPool` making :class:`DeviceChannel`."""
-    _check_sizes(nbytes, num_signal_slots)
-
-    def create_channel(channel_id: int, owner: str) -> Channel:
-        return DeviceChannel(channel_id, owner, nbytes, device, num_signal_slots)
-
-    return create_channel
