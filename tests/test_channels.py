@@ -6,6 +6,7 @@ import asyncio
 import sys
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -705,3 +706,37 @@ def test_rollback_pools_one_pool_fails_to_close_the_others_still_roll_back():
     assert pp.num_channels == 0 and pp.unclosed_channels == ()
     assert ("free_exports", "pp", 0) in events
     assert [ch.channel_id for ch in tp.unclosed_channels] == [0]
+
+
+def test_rollback_pools_later_rolled_back_pool_capturing_leaves_earlier_untouched():
+    events: list[tuple] = []
+    tp, _ = _make_pool("tp", events)
+    pp, _ = _make_pool("pp", events)
+    cp = checkpoint_pools([tp, pp])  # rolled back in reverse: pp first, then tp
+    pp.current()
+    with tp.capture(owner="target"):
+        num_events = len(events)
+        with pytest.raises(RuntimeError, match=r"'tp'.*refused"):
+            rollback_pools(cp)
+        assert len(events) == num_events, "pp was rolled back before tp's check refused"
+        assert pp.num_channels == 1 and tp.num_channels == 1
+    rollback_pools(cp)  # the refused call consumed neither checkpoint
+    assert tp.num_channels == 0 and pp.num_channels == 0
+
+
+def test_device_channel_free_exports_drops_its_tensors():
+    channel = DeviceChannel(0, "target", 64, "cpu", num_signal_slots=4)
+    buffer, signal = weakref.ref(channel.buffer), weakref.ref(channel.signal)
+    channel.close_imports()
+    assert buffer() is not None, "close_imports must leave this rank's exports alone"
+    channel.free_exports()
+    assert buffer() is None and signal() is None
+
+
+def test_rollback_device_channel_drops_its_tensors():
+    pool = ChannelPool("solo", device_channel_factory(64, "cpu"), synchronize=lambda: None)
+    cp = pool.checkpoint()
+    with pool.capture(owner="target") as channel:
+        buffer, signal = weakref.ref(channel.buffer), weakref.ref(channel.signal)
+    pool.rollback(cp)
+    assert buffer() is None and signal() is None  # though the test still holds the channel
