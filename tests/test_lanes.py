@@ -16,15 +16,7 @@ from vllm_specgraph.lanes import (
     use_lane,
     use_owner,
 )
-
-
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    start = t.data_ptr()
-    return start, start + t.numel() * t.element_size()
-
-
-def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    return a[0] < b[1] and b[0] < a[1]
+from vllm_specgraph.spans import overlapping_pairs, spans_overlap, tensor_span
 
 
 def test_use_owner_default_is_target():
@@ -128,10 +120,7 @@ def test_get_simultaneous_views_aligned_and_disjoint():
     assert [v.dtype for v in views] == [torch.float16, torch.float32, torch.int8]
     for v in views:
         assert v.data_ptr() % ALIGNMENT_BYTES == 0
-    spans = [_span(v) for v in views]
-    for i in range(len(spans)):
-        for j in range(i + 1, len(spans)):
-            assert not _overlaps(spans[i], spans[j])
+    assert overlapping_pairs([tensor_span(v) for v in views]) == []
 
 
 def test_get_simultaneous_repeat_call_reuses_memory():
@@ -150,11 +139,9 @@ def test_get_simultaneous_no_two_slots_share_storage():
             with use_owner(owner):
                 (v,) = ws.get_simultaneous(((128,), torch.float32), ubatch=ubatch)
                 v.fill_(ubatch * 10 + ws.lane_of(owner))
-                spans.append(_span(v))
+                spans.append(tensor_span(v))
     assert len(spans) == 6
-    for i in range(len(spans)):
-        for j in range(i + 1, len(spans)):
-            assert not _overlaps(spans[i], spans[j])
+    assert overlapping_pairs(spans) == []
 
 
 def test_get_simultaneous_shared_lane_aliases():
@@ -162,7 +149,7 @@ def test_get_simultaneous_shared_lane_aliases():
     (t,) = ws.get_simultaneous(((16,), torch.float32))
     with use_owner("draft"):
         (d,) = ws.get_simultaneous(((16,), torch.float32))
-    assert _overlaps(_span(t), _span(d))
+    assert spans_overlap(tensor_span(t), tensor_span(d))
 
 
 def test_get_simultaneous_bad_ubatch_raises_value_error():
@@ -342,7 +329,7 @@ def test_slot_follows_ubatch_id_callable_when_no_ubatch_given():
     (u0,) = ws.get_simultaneous(((64,), torch.float32))
     current[0] = 1
     (u1,) = ws.get_simultaneous(((64,), torch.float32))
-    assert not _overlaps(_span(u0), _span(u1))
+    assert not spans_overlap(tensor_span(u0), tensor_span(u1))
     current[0] = 2
     with pytest.raises(ValueError, match=r"ubatch must be in \[0, 2\), got 2"):
         ws.get_simultaneous(((4,), torch.float32))

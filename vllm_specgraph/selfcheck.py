@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from vllm_specgraph.lanes import DEFAULT_OWNER_LANES, LaneWorkspace, use_owner
+from vllm_specgraph.spans import spans_overlap
 
 __all__ = ["LaneSelfcheckReport", "main", "run_lane_selfcheck"]
 
@@ -104,10 +105,6 @@ def _capture_all(
     return captured, workspace
 
 
-def _spans_overlap(spans: list[tuple[int, int]]) -> bool:
-    return any(a[0] < b[1] and b[0] < a[1] for i, a in enumerate(spans) for b in spans[i + 1 :])
-
-
 def _replay_interleaved(
     graphs: dict[str, _Captured], iterations: int, seed: int, device: torch.device
 ) -> tuple[int, float]:
@@ -139,14 +136,13 @@ def run_lane_selfcheck(iterations: int = 100, seed: int = 0) -> LaneSelfcheckRep
     retired = workspace.usage()["draft"].retired_bytes
     target_span = graphs["target"].scratch_span
     lanes_overlap = any(
-        _spans_overlap([target_span, graphs[n].scratch_span])
-        for n in ("draft-small", "draft-large")
+        spans_overlap(target_span, graphs[n].scratch_span) for n in ("draft-small", "draft-large")
     )
     mismatches, max_diff = _replay_interleaved(graphs, iterations, seed + 1, device)
 
     shared, _ = _capture_all({"target": 0, "draft": 0}, device, seed)
-    shared_overlap = _spans_overlap(
-        [shared["target"].scratch_span, shared["draft-small"].scratch_span]
+    shared_overlap = spans_overlap(
+        shared["target"].scratch_span, shared["draft-small"].scratch_span
     )
     for g in (*graphs.values(), *shared.values()):
         g.graph.reset()

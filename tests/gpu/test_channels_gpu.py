@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import gc
-import itertools
 from collections.abc import Callable
 
 import pytest
 import torch
 
 from vllm_specgraph.channels import Channel, ChannelPool, device_channel_factory
+from vllm_specgraph.spans import overlapping_pairs, tensor_span
 
 pytestmark = pytest.mark.gpu
 
@@ -51,17 +51,6 @@ def _capture(
     return graph, channel, out
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    start = t.data_ptr()
-    return start, start + t.numel() * t.element_size()
-
-
-def _assert_disjoint(spans: list[tuple[int, int]]) -> None:
-    ordered = sorted(spans)
-    for (_, end), (next_start, _) in itertools.pairwise(ordered):
-        assert end <= next_start, f"channel memory overlaps: {ordered}"
-
-
 def _free_driver_bytes() -> int:
     gc.collect()
     torch.cuda.synchronize()
@@ -84,7 +73,10 @@ def test_capture_target_and_draft_get_distinct_channels_replays_match_eager():
     assert len({id(eager), id(target), id(draft)}) == 3
     assert pool.num_channels == 3 and pool.current() is eager
     channels = (eager, target, draft)
-    _assert_disjoint([_span(ch.buffer) for ch in channels] + [_span(ch.signal) for ch in channels])
+    spans = [tensor_span(ch.buffer) for ch in channels] + [
+        tensor_span(ch.signal) for ch in channels
+    ]
+    assert overlapping_pairs(spans) == [], f"channel memory overlaps: {spans}"
 
     gen = torch.Generator(device=device).manual_seed(0)
     num_target, num_draft = 0, 0
