@@ -4,12 +4,15 @@ A *channel* is the device memory a communicator's kernels run on (staging buffer
 slots, peers' imported IPC memory). A captured CUDA graph bakes in its channel, so graphs
 sharing one corrupt each other's data, and a throwaway graph's leftover channel leaks memory
 and peer mappings. :class:`ChannelPool` gives every capture its own channel, keeps it alive
-until rollback/close, and closes channels in a rank-coordinated order. Enter the pool
-*before* the graph: creating a channel allocates and may be collective::
+until rollback/close, and closes channels in a rank-coordinated order. Enter the channel
+pool *before* the graph: creating a channel allocates and may be collective::
 
-    with pool.capture(owner="target") as channel:
-        with torch.cuda.graph(graph):
+    with channel_pool.capture(owner="target") as channel:
+        with torch.cuda.graph(graph, pool=graph_pool):
             run_model(channel)
+
+Naming: a bare "pool" is a CUDA graph memory pool; the channel side is always a channel
+pool (``channel_pool``, ``channel_pools``).
 
 This module depends on torch only and never imports vLLM.
 """
@@ -34,20 +37,20 @@ __all__ = [
     "ChannelCheckpoint",
     "ChannelCloseError",
     "ChannelPool",
+    "ChannelPoolsCheckpoint",
     "CreateChannelFn",
     "DeviceChannel",
-    "PoolsCheckpoint",
-    "checkpoint_pools",
+    "checkpoint_channel_pools",
     "device_channel_factory",
-    "rollback_pools",
+    "rollback_channel_pools",
 ]
 
-# Process-wide counters: pool serials never repeat (unlike id()), and checkpoint tokens are
+# Process-wide counters: channel pool serials never repeat (unlike id()), and checkpoint tokens are
 # ordered, so a rollback can invalidate every checkpoint taken after its own.
-_pool_serials = itertools.count()
+_channel_pool_serials = itertools.count()
 _checkpoint_tokens = itertools.count()
 
-_FIX_CAPTURE_ORDER = "enter pool.capture() before torch.cuda.graph(...)"
+_FIX_CAPTURE_ORDER = "enter channel_pool.capture() before torch.cuda.graph(...)"
 
 
 @runtime_checkable
@@ -78,17 +81,17 @@ CreateChannelFn = Callable[[int, str], Channel]
 class ChannelCheckpoint:
     """Opaque token returned by :meth:`ChannelPool.checkpoint`; usable for one rollback."""
 
-    pool_name: str
-    pool_serial: int  # identifies the pool; names may repeat across pools
+    channel_pool_name: str
+    channel_pool_serial: int  # identifies the channel pool; names may repeat
     num_channels: int  # channels that existed when the checkpoint was taken
     token: int  # unique and increasing across the process
 
 
 @dataclass(frozen=True, slots=True)
-class PoolsCheckpoint:
-    """Checkpoints of several distinct pools, in the order they were taken."""
+class ChannelPoolsCheckpoint:
+    """Checkpoints of several distinct channel pools, in the order they were taken."""
 
-    pools: tuple[ChannelPool, ...]
+    channel_pools: tuple[ChannelPool, ...]
     checkpoints: tuple[ChannelCheckpoint, ...]
 
 
@@ -105,15 +108,15 @@ class ChannelCloseError(RuntimeError):
     """Closing channels failed part-way; the pool still owns every channel not yet freed.
 
     Attributes:
-        pool_name: the pool's name.
+        channel_pool_name: the channel pool's name.
         channel_ids: ids of the channels still owned and not freed, newest first (see
             :attr:`ChannelPool.unclosed_channels`); :meth:`ChannelPool.retry_close` finishes
             them.
     """
 
-    def __init__(self, message: str, pool_name: str, channel_ids: tuple[int, ...]) -> None:
+    def __init__(self, message: str, channel_pool_name: str, channel_ids: tuple[int, ...]) -> None:
         super().__init__(message)
-        self.pool_name = pool_name
+        self.channel_pool_name = channel_pool_name
         self.channel_ids = channel_ids
 
 
@@ -179,7 +182,7 @@ class ChannelPool:
             if fn is not None:
                 check_callable(arg, fn, f"pass a function of no arguments, or leave {arg} out")
         self._name = name
-        self._serial = next(_pool_serials)
+        self._serial = next(_channel_pool_serials)
         self._create_channel = create_channel
         self._barrier = barrier if barrier is not None else _no_op
         self._synchronize = synchronize if synchronize is not None else _synchronize_device
@@ -355,7 +358,7 @@ class ChannelPool:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError(f"ChannelPool {self._name!r} is closed; create a new pool")
+            raise RuntimeError(f"ChannelPool {self._name!r} is closed; create a new ChannelPool")
 
     def _check_idle(self, what: str) -> None:
         self._check_open()
@@ -363,15 +366,16 @@ class ChannelPool:
             raise RuntimeError(
                 f"ChannelPool {self._name!r}: {what} refused while "
                 f"{self._num_active_captures} capture block(s) are active; a captured graph "
-                f"may still bind these channels. Call it after leaving every pool.capture()"
+                f"may still bind these channels. Call it after leaving every channel_pool.capture()"
             )
 
     def _check_rollback(self, cp: ChannelCheckpoint) -> None:
-        if cp.pool_serial != self._serial:
+        if cp.channel_pool_serial != self._serial:
             raise ValueError(
-                f"ChannelPool {self._name!r}: checkpoint belongs to pool {cp.pool_name!r} "
-                f"(serial {cp.pool_serial}), not to pool {self._name!r} (serial "
-                f"{self._serial}); roll it back on the pool that created it"
+                f"ChannelPool {self._name!r}: checkpoint belongs to ChannelPool "
+                f"{cp.channel_pool_name!r} (serial {cp.channel_pool_serial}), not to "
+                f"{self._name!r} (serial {self._serial}); roll it back on the channel pool "
+                f"that created it"
             )
         self._check_idle("rollback()")
         if cp.token not in self._live_tokens:
@@ -423,48 +427,49 @@ class ChannelPool:
         )
 
 
-def checkpoint_pools(pools: Iterable[ChannelPool]) -> PoolsCheckpoint:
-    """Checkpoint each distinct pool once, in first-seen order (groups may share a pool).
+def checkpoint_channel_pools(channel_pools: Iterable[ChannelPool]) -> ChannelPoolsCheckpoint:
+    """Checkpoint each distinct channel pool once, in first-seen order (groups may share one).
 
-    Requires: no capture is active on any of them (RuntimeError otherwise, and no pool is
-    checkpointed). Every pool's lock is held throughout, so no capture starts in between.
+    Requires: no capture is active on any of them (RuntimeError otherwise, and none is
+    checkpointed). Every one's lock is held throughout, so no capture starts in between.
     """
-    if isinstance(pools, ChannelPool):
+    if isinstance(channel_pools, ChannelPool):
         raise TypeError(
-            f"pools must be an iterable of ChannelPool, got the single pool {pools.name!r}; "
-            f"pass [pool]"
+            f"channel_pools must be an iterable of ChannelPool, got the single ChannelPool "
+            f"{channel_pools.name!r}; pass [channel_pool]"
         )
     distinct: dict[int, ChannelPool] = {}
-    for i, pool in enumerate(pools):
-        check_instance(f"pools[{i}]", pool, ChannelPool, "pass only ChannelPool objects")
-        distinct.setdefault(id(pool), pool)
+    for i, channel_pool in enumerate(channel_pools):
+        check_instance(f"channel_pools[{i}]", channel_pool, ChannelPool, "pass ChannelPools only")
+        distinct.setdefault(id(channel_pool), channel_pool)
     ordered = tuple(distinct.values())
     with _locked(ordered):
-        for pool in ordered:
-            pool._check_idle("checkpoint_pools()")
-        return PoolsCheckpoint(ordered, tuple(pool.checkpoint() for pool in ordered))
+        for channel_pool in ordered:
+            channel_pool._check_idle("checkpoint_channel_pools()")
+        return ChannelPoolsCheckpoint(ordered, tuple(c.checkpoint() for c in ordered))
 
 
-def rollback_pools(cp: PoolsCheckpoint) -> None:
-    """Roll back every pool of ``cp`` in reverse checkpoint order.
+def rollback_channel_pools(cp: ChannelPoolsCheckpoint) -> None:
+    """Roll back every channel pool of ``cp`` in reverse checkpoint order.
 
-    Requires: as for :meth:`ChannelPool.rollback`, on every pool. All pools are checked
-    before any is rolled back, and every pool's lock is held from the checks to the end,
-    so a refused call changes nothing and no capture starts in between. A pool whose
-    channels fail to close does not stop the others; the first :class:`ChannelCloseError`
-    is raised once all were rolled back, with the others as notes.
+    Requires: as for :meth:`ChannelPool.rollback`, on every one. All are checked before any
+    is rolled back, and every one's lock is held from the checks to the end, so a refused
+    call changes nothing and no capture starts in between. One whose channels fail to
+    close does not stop the others; the first :class:`ChannelCloseError` is raised once
+    all were rolled back, with the others as notes.
     """
-    check_instance("cp", cp, PoolsCheckpoint, "pass what checkpoint_pools() returned")
-    pairs = list(zip(cp.pools, cp.checkpoints, strict=True))
+    fix = "pass what checkpoint_channel_pools() returned"
+    check_instance("cp", cp, ChannelPoolsCheckpoint, fix)
+    pairs = list(zip(cp.channel_pools, cp.checkpoints, strict=True))
     failures: list[ChannelCloseError] = []
-    with _locked(cp.pools):
-        for pool, pool_cp in pairs:
-            pool._check_rollback(pool_cp)
-        for pool, pool_cp in reversed(pairs):
+    with _locked(cp.channel_pools):
+        for channel_pool, channel_pool_cp in pairs:
+            channel_pool._check_rollback(channel_pool_cp)
+        for channel_pool, channel_pool_cp in reversed(pairs):
             try:
-                pool.rollback(pool_cp)
+                channel_pool.rollback(channel_pool_cp)
             except ChannelCloseError as exc:
-                failures.append(exc)  # the other pools still roll back, in the same order
+                failures.append(exc)  # the others still roll back, in the same order
     if failures:
         for other in failures[1:]:
             failures[0].add_note(f"also: {other}")
@@ -472,9 +477,16 @@ def rollback_pools(cp: PoolsCheckpoint) -> None:
 
 
 @contextmanager
-def _locked(pools: Iterable[ChannelPool]) -> Iterator[None]:
-    """Hold every pool's lock, taken in serial order so two callers cannot deadlock."""
+def _locked(channel_pools: Iterable[ChannelPool]) -> Iterator[None]:
+    """Hold every channel pool's lock, taken in serial order so two callers cannot deadlock."""
     with ExitStack() as stack:
-        for pool in sorted(pools, key=lambda p: p._serial):
-            stack.enter_context(pool._lock)
+        for channel_pool in sorted(channel_pools, key=lambda c: c._serial):
+            stack.enter_context(channel_pool._lock)
         yield
+
+
+# Earlier names, which read like graph memory pool operations; kept until profile.py uses
+# the names above.
+PoolsCheckpoint = ChannelPoolsCheckpoint
+checkpoint_pools = checkpoint_channel_pools
+rollback_pools = rollback_channel_pools

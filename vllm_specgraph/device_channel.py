@@ -35,7 +35,7 @@ class DeviceChannel:
         device: torch.device | str | int,
         num_signal_slots: int = 64,
     ) -> None:
-        check_int("channel_id", channel_id, 0, "pass the id the pool assigned")
+        check_int("channel_id", channel_id, 0, "pass the id the channel pool assigned")
         check_str("owner", owner, "name the channel's owner, e.g. 'target'")
         _check_sizes(nbytes, num_signal_slots)
         self.channel_id = channel_id
@@ -67,7 +67,7 @@ class DeviceChannel:
         if self._closed or tensor is None:
             raise RuntimeError(
                 f"channel {self.channel_id} ({self.owner!r}) is closed; {what} is gone. "
-                f"Use pool.current() or a new pool.capture() for a live channel"
+                f"Use channel_pool.current() or a new channel_pool.capture() for a live channel"
             )
         return tensor
 
