@@ -128,6 +128,10 @@ class _Closing:
     done: set[str] = field(default_factory=set)  # "close_imports", "free_exports"
 
 
+class _CloseStepError(RuntimeError):
+    """One close step failed for some channels; the message names each and its error."""
+
+
 def _close_step(closing: list[_Closing], step: str) -> None:
     """Run ``step`` on every channel not past it yet; one failure does not stop the others."""
     failures: list[tuple[int, Exception]] = []
@@ -142,7 +146,7 @@ def _close_step(closing: list[_Closing], step: str) -> None:
             entry.done.add(step)
     if failures:
         detail = "; ".join(f"channel {cid}: {exc!r}" for cid, exc in failures)
-        raise RuntimeError(f"{step} failed for {detail}") from failures[0][1]
+        raise _CloseStepError(f"{step} failed for {detail}") from failures[0][1]
 
 
 def _stream_is_capturing() -> bool:
@@ -289,7 +293,8 @@ class ChannelPool:
 
         If a step fails, the step still runs for the other channels, then the sequence
         stops and :class:`ChannelCloseError` names the channels not yet freed; the pool
-        keeps them in :attr:`unclosed_channels` for :meth:`retry_close`.
+        keeps them in :attr:`unclosed_channels` for :meth:`retry_close`. Channels an
+        earlier failure left there are retried along with the ones this call closes.
 
         Requires: every graph that references those channels is already destroyed and the
         device synchronized; no capture is active on this pool in any thread; ``cp`` came
@@ -420,8 +425,9 @@ class ChannelPool:
             )
         else:
             outcome = "every channel was freed, but the ranks may be out of step"
+        cause = str(exc) if isinstance(exc, _CloseStepError) else repr(exc)
         return ChannelCloseError(
-            f"ChannelPool {self._name!r}: {what} failed in {label} ({exc}); {outcome}",
+            f"ChannelPool {self._name!r}: {what} failed in {label} ({cause}); {outcome}",
             self._name,
             ids,
         )
