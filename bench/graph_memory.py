@@ -26,7 +26,7 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def _restricted(owner: str, graph_set: ToyGraphSet, sizes: list[int]) -> OwnerGraphs:
-    subset = ToyGraphSet(graph_set.model, sizes, graph_set.workspace, graph_set.channels)
+    subset = ToyGraphSet(graph_set.model, sizes, graph_set.workspace, graph_set.channel_pool)
     return OwnerGraphs(owner, subset.capture, subset.warmup, subset.release)
 
 
@@ -50,10 +50,12 @@ def main() -> int:
     torch.manual_seed(0)
     setup = build_toy_setup()
     report = profile_graph_memory(
-        setup.owners(), channel_pools=[setup.channels], workspace=setup.workspace
+        setup.owners(), channel_pools=[setup.channel_pool], workspace=setup.workspace
     )
     upstream = upstream_estimate(setup)
-    actual = measure_captures(setup.owners(), torch.cuda.graph_pool_handle(), [setup.channels], [])
+    actual = measure_captures(
+        setup.owners(), torch.cuda.graph_pool_handle(), [setup.channel_pool], []
+    )
     rows = []
     for est, act in zip(report.owners, actual, strict=True):
         rows.append(

@@ -56,19 +56,19 @@ def _worker(rank: int, store_path: str, log_dir: str) -> None:
     )
     try:
         log_path = Path(log_dir) / f"rank{rank}.log"
-        pool = ChannelPool(
+        channel_pool = ChannelPool(
             "tp",
             lambda channel_id, owner: _LoggedChannel(channel_id, rank, log_path),
             barrier=dist.barrier,
             synchronize=lambda: None,  # CPU only: nothing to synchronize
         )
-        pool.current()  # eager channel 0 stays alive across the rollback
-        cp = pool.checkpoint()
+        channel_pool.current()  # eager channel 0 stays alive across the rollback
+        cp = channel_pool.checkpoint()
         for owner in _OWNERS_AFTER_CHECKPOINT:
-            with pool.capture(owner=owner):
+            with channel_pool.capture(owner=owner):
                 pass
-        pool.rollback(cp)
-        pool.close()
+        channel_pool.rollback(cp)
+        channel_pool.close()
     finally:
         dist.destroy_process_group()
 

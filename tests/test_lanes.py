@@ -6,6 +6,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from vllm_specgraph.lanes import (
     ALIGNMENT_BYTES,
@@ -15,15 +16,7 @@ from vllm_specgraph.lanes import (
     use_lane,
     use_owner,
 )
-
-
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    start = t.data_ptr()
-    return start, start + t.numel() * t.element_size()
-
-
-def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    return a[0] < b[1] and b[0] < a[1]
+from vllm_specgraph.spans import overlapping_pairs, spans_overlap, tensor_span
 
 
 def test_use_owner_default_is_target():
@@ -127,10 +120,7 @@ def test_get_simultaneous_views_aligned_and_disjoint():
     assert [v.dtype for v in views] == [torch.float16, torch.float32, torch.int8]
     for v in views:
         assert v.data_ptr() % ALIGNMENT_BYTES == 0
-    spans = [_span(v) for v in views]
-    for i in range(len(spans)):
-        for j in range(i + 1, len(spans)):
-            assert not _overlaps(spans[i], spans[j])
+    assert overlapping_pairs([tensor_span(v) for v in views]) == []
 
 
 def test_get_simultaneous_repeat_call_reuses_memory():
@@ -149,11 +139,9 @@ def test_get_simultaneous_no_two_slots_share_storage():
             with use_owner(owner):
                 (v,) = ws.get_simultaneous(((128,), torch.float32), ubatch=ubatch)
                 v.fill_(ubatch * 10 + ws.lane_of(owner))
-                spans.append(_span(v))
+                spans.append(tensor_span(v))
     assert len(spans) == 6
-    for i in range(len(spans)):
-        for j in range(i + 1, len(spans)):
-            assert not _overlaps(spans[i], spans[j])
+    assert overlapping_pairs(spans) == []
 
 
 def test_get_simultaneous_shared_lane_aliases():
@@ -161,7 +149,7 @@ def test_get_simultaneous_shared_lane_aliases():
     (t,) = ws.get_simultaneous(((16,), torch.float32))
     with use_owner("draft"):
         (d,) = ws.get_simultaneous(((16,), torch.float32))
-    assert _overlaps(_span(t), _span(d))
+    assert spans_overlap(tensor_span(t), tensor_span(d))
 
 
 def test_get_simultaneous_bad_ubatch_raises_value_error():
@@ -170,18 +158,21 @@ def test_get_simultaneous_bad_ubatch_raises_value_error():
         ws.get_simultaneous(((4,), torch.float32), ubatch=2)
 
 
-def test_get_simultaneous_growth_retires_old_buffer_and_keeps_contents():
+def test_get_simultaneous_growth_retires_old_buffer_and_keeps_it_alive():
     ws = LaneWorkspace("cpu")
     (small,) = ws.get_simultaneous(((16,), torch.float32))
-    small.fill_(7.0)
+    small_ptr, old_buffer = small.data_ptr(), StorageWeakRef(small.untyped_storage())
+    del small  # from here on only the workspace can keep the old buffer alive
     (big,) = ws.get_simultaneous(((4096,), torch.float32))
-    assert big.data_ptr() != small.data_ptr()
+    assert big.data_ptr() != small_ptr
+    # A graph captured with views of the old buffer still reads and writes it on replay.
+    assert not old_buffer.expired(), "growth freed a buffer a captured graph may still use"
     usage = ws.usage()["target"]
     assert usage.retired_bytes >= 16 * 4
     assert usage.live_bytes >= 4096 * 4
-    # The retired buffer is still owned by the workspace, so a graph reading it reads 7s.
-    assert torch.equal(small, torch.full((16,), 7.0))
     assert ws.usage()["draft"].total_bytes == 0
+    ws.release_retired()
+    assert old_buffer.expired()
 
 
 def test_release_retired_frees_only_retired():
@@ -289,19 +280,34 @@ def test_get_persistent_resource_factory_called_once_per_slot():
         ws.get_persistent_resource("other", factory)
 
 
-def test_alloc_context_wraps_every_allocation():
-    entered = []
+def test_alloc_context_every_allocation_happens_inside_it(monkeypatch):
+    inside = [False]
+    allocations: list[tuple[str, bool]] = []
 
     @contextmanager
     def alloc_context():
-        entered.append("in")
-        yield
+        inside[0] = True
+        try:
+            yield
+        finally:
+            inside[0] = False
 
+    def recording(name, real):
+        def allocate(*args, **kwargs):
+            allocations.append((name, inside[0]))
+            return real(*args, **kwargs)
+
+        return allocate
+
+    for name in ("empty", "zeros"):
+        monkeypatch.setattr(torch, name, recording(name, getattr(torch, name)))
     ws = LaneWorkspace("cpu", alloc_context=alloc_context)
     ws.get_simultaneous(((16,), torch.float32))
     ws.get_simultaneous(((8,), torch.float32))  # fits: no allocation
     ws.get_persistent("k", (2,), torch.int32)
-    assert entered == ["in", "in"]
+    ws.get_persistent("z", (2,), torch.int32, zero_init=True)
+    ws.get_persistent_resource("plan", lambda: allocations.append(("factory", inside[0])))
+    assert allocations == [("empty", True), ("empty", True), ("zeros", True), ("factory", True)]
 
 
 def test_get_persistent_without_zero_init_is_uninitialised_like_vllm(monkeypatch):
@@ -323,7 +329,7 @@ def test_slot_follows_ubatch_id_callable_when_no_ubatch_given():
     (u0,) = ws.get_simultaneous(((64,), torch.float32))
     current[0] = 1
     (u1,) = ws.get_simultaneous(((64,), torch.float32))
-    assert not _overlaps(_span(u0), _span(u1))
+    assert not spans_overlap(tensor_span(u0), tensor_span(u1))
     current[0] = 2
     with pytest.raises(ValueError, match=r"ubatch must be in \[0, 2\), got 2"):
         ws.get_simultaneous(((4,), torch.float32))

@@ -114,9 +114,9 @@ def _channel_pool(events: list) -> ChannelPool:
 
 def test_profile_graph_memory_measures_each_owner_and_gives_bytes_back(cuda):
     events, state = cuda
-    channels = _channel_pool(events)
+    channel_pool = _channel_pool(events)
     report = profile_graph_memory(
-        [_owner("target", events, 3), _owner("draft", events, 2)], channel_pools=[channels]
+        [_owner("target", events, 3), _owner("draft", events, 2)], channel_pools=[channel_pool]
     )
     assert [(o.owner, o.num_graphs, o.driver_bytes) for o in report.owners] == [
         ("target", 3, 30 << 20),
@@ -125,7 +125,7 @@ def test_profile_graph_memory_measures_each_owner_and_gives_bytes_back(cuda):
     assert report.total_driver_bytes == 50 << 20
     assert report.retained_bytes == 0
     assert state["free"] == 1000 << 20
-    assert channels.num_channels == 0
+    assert channel_pool.num_channels == 0
     assert "total" in report.format_table() and '"total_driver_bytes"' in report.to_json()
 
 
@@ -141,10 +141,10 @@ def test_profile_graph_memory_captures_each_owner_in_its_lane_into_one_private_p
 
 def test_profile_graph_memory_teardown_order(cuda):
     events, _ = cuda
-    channels = _channel_pool(events)
+    channel_pool = _channel_pool(events)
     profile_graph_memory(
         [_owner("target", events, 1), _owner("draft", events, 1)],
-        channel_pools=[channels],
+        channel_pools=[channel_pool],
         warmup_capture=False,
     )
     names = [e[0] for e in events]
@@ -163,14 +163,14 @@ def test_profile_graph_memory_teardown_order(cuda):
 
 def test_profile_graph_memory_warmup_pass_is_disposable_and_unmeasured(cuda):
     events, state = cuda
-    channels = _channel_pool(events)
-    report = profile_graph_memory([_owner("target", events, 2)], channel_pools=[channels])
+    channel_pool = _channel_pool(events)
+    report = profile_graph_memory([_owner("target", events, 2)], channel_pools=[channel_pool])
     names = [e[0] for e in events]
     assert names.index("warm") < names.index("pool")
     assert names.count("pool") == 2 and names.count("capture_begin") == 4
     assert [o.num_graphs for o in report.owners] == [2]
     assert report.owners[0].driver_bytes == 20 << 20
-    assert channels.num_channels == 0 and state["free"] == 1000 << 20
+    assert channel_pool.num_channels == 0 and state["free"] == 1000 << 20
 
 
 def test_profile_graph_memory_without_warmup_capture_captures_once(cuda):
@@ -181,8 +181,8 @@ def test_profile_graph_memory_without_warmup_capture_captures_once(cuda):
 
 def test_profile_graph_memory_failing_draft_restores_everything(cuda):
     events, state = cuda
-    channels = _channel_pool(events)
-    eager = channels.current()
+    channel_pool = _channel_pool(events)
+    eager = channel_pool.current()
     workspace = LaneWorkspace("cpu")
     workspace.get_simultaneous(((16,), torch.float32))
     lanes_before = workspace.usage()
@@ -205,10 +205,13 @@ def test_profile_graph_memory_failing_draft_restores_everything(cuda):
     )
     with pytest.raises(KeyError, match="draft capture failed"):
         profile_graph_memory(
-            [target, grow], channel_pools=[channels], workspace=workspace, redirect_pools=redirect
+            [target, grow],
+            channel_pools=[channel_pool],
+            workspace=workspace,
+            redirect_pools=redirect,
         )
     assert state["free"] == 1000 << 20, "graph memory was not given back"
-    assert channels.channels == (eager,)
+    assert channel_pool.channels == (eager,)
     assert workspace.usage() == lanes_before
     assert [r[0] for r in redirected] == ["in", "out"]
     assert ("release", "target") in events and ("release", "draft") in events
@@ -241,10 +244,10 @@ def test_profile_graph_memory_bad_owners_raise_before_touching_state(cuda):
 
 def test_profile_graph_memory_during_channel_capture_refused_and_state_kept(cuda):
     events, _ = cuda
-    channels = _channel_pool(events)
-    with channels.capture("target"), pytest.raises(RuntimeError, match="capture"):
-        profile_graph_memory([_owner("target", events, 1)], channel_pools=[channels])
-    assert channels.num_channels == 1
+    channel_pool = _channel_pool(events)
+    with channel_pool.capture("target"), pytest.raises(RuntimeError, match="capture"):
+        profile_graph_memory([_owner("target", events, 1)], channel_pools=[channel_pool])
+    assert channel_pool.num_channels == 1
     assert ("warm", "target") not in events, "refuse before running any warm-up"
 
 

@@ -4,12 +4,15 @@ A *channel* is the device memory a communicator's kernels run on (staging buffer
 slots, peers' imported IPC memory). A captured CUDA graph bakes in its channel, so graphs
 sharing one corrupt each other's data, and a throwaway graph's leftover channel leaks memory
 and peer mappings. :class:`ChannelPool` gives every capture its own channel, keeps it alive
-until rollback/close, and closes channels in a rank-coordinated order. Enter the pool
-*before* the graph: creating a channel allocates and may be collective::
+until rollback/close, and closes channels in a rank-coordinated order. Enter the channel
+pool *before* the graph: creating a channel allocates and may be collective::
 
-    with pool.capture(owner="target") as channel:
-        with torch.cuda.graph(graph):
+    with channel_pool.capture(owner="target") as channel:
+        with torch.cuda.graph(graph, pool=graph_pool):
             run_model(channel)
+
+Naming: a bare "pool" is a CUDA graph memory pool; the channel side is always a channel
+pool (``channel_pool``, ``channel_pools``).
 
 This module depends on torch only and never imports vLLM.
 """
@@ -19,31 +22,35 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
 
+from vllm_specgraph._checks import check_callable, check_instance, check_str
+from vllm_specgraph.device_channel import DeviceChannel, device_channel_factory
+
 __all__ = [
     "Channel",
     "ChannelCheckpoint",
+    "ChannelCloseError",
     "ChannelPool",
+    "ChannelPoolsCheckpoint",
     "CreateChannelFn",
     "DeviceChannel",
-    "PoolsCheckpoint",
-    "checkpoint_pools",
+    "checkpoint_channel_pools",
     "device_channel_factory",
-    "rollback_pools",
+    "rollback_channel_pools",
 ]
 
-# Process-wide counters: pool serials never repeat (unlike id()), and checkpoint tokens are
+# Process-wide counters: channel pool serials never repeat (unlike id()), and checkpoint tokens are
 # ordered, so a rollback can invalidate every checkpoint taken after its own.
-_pool_serials = itertools.count()
+_channel_pool_serials = itertools.count()
 _checkpoint_tokens = itertools.count()
 
-_FIX_CAPTURE_ORDER = "enter pool.capture() before torch.cuda.graph(...)"
+_FIX_CAPTURE_ORDER = "enter channel_pool.capture() before torch.cuda.graph(...)"
 
 
 @runtime_checkable
@@ -74,17 +81,17 @@ CreateChannelFn = Callable[[int, str], Channel]
 class ChannelCheckpoint:
     """Opaque token returned by :meth:`ChannelPool.checkpoint`; usable for one rollback."""
 
-    pool_name: str
-    pool_serial: int  # identifies the pool; names may repeat across pools
+    channel_pool_name: str
+    channel_pool_serial: int  # identifies the channel pool; names may repeat
     num_channels: int  # channels that existed when the checkpoint was taken
     token: int  # unique and increasing across the process
 
 
 @dataclass(frozen=True, slots=True)
-class PoolsCheckpoint:
-    """Checkpoints of several distinct pools, in the order they were taken."""
+class ChannelPoolsCheckpoint:
+    """Checkpoints of several distinct channel pools, in the order they were taken."""
 
-    pools: tuple[ChannelPool, ...]
+    channel_pools: tuple[ChannelPool, ...]
     checkpoints: tuple[ChannelCheckpoint, ...]
 
 
@@ -97,11 +104,49 @@ def _synchronize_device() -> None:
         torch.cuda.synchronize()
 
 
-def _check_sizes(nbytes: int, num_signal_slots: int) -> None:
-    if nbytes <= 0 or num_signal_slots <= 0:
-        raise ValueError(
-            f"nbytes and num_signal_slots must be > 0, got {nbytes}, {num_signal_slots}"
-        )
+class ChannelCloseError(RuntimeError):
+    """Closing channels failed part-way; the pool still owns every channel not yet freed.
+
+    Attributes:
+        channel_pool_name: the channel pool's name.
+        channel_ids: ids of the channels still owned and not freed, newest first (see
+            :attr:`ChannelPool.unclosed_channels`); :meth:`ChannelPool.retry_close` finishes
+            them.
+    """
+
+    def __init__(self, message: str, channel_pool_name: str, channel_ids: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.channel_pool_name = channel_pool_name
+        self.channel_ids = channel_ids
+
+
+@dataclass(slots=True)
+class _Closing:
+    """A channel on its way out and the close steps it completed, so a retry can resume."""
+
+    channel: Channel
+    done: set[str] = field(default_factory=set)  # "close_imports", "free_exports"
+
+
+class _CloseStepError(RuntimeError):
+    """One close step failed for some channels; the message names each and its error."""
+
+
+def _close_step(closing: list[_Closing], step: str) -> None:
+    """Run ``step`` on every channel not past it yet; one failure does not stop the others."""
+    failures: list[tuple[int, Exception]] = []
+    for entry in closing:
+        if step in entry.done:
+            continue
+        try:
+            getattr(entry.channel, step)()
+        except Exception as exc:
+            failures.append((entry.channel.channel_id, exc))
+        else:
+            entry.done.add(step)
+    if failures:
+        detail = "; ".join(f"channel {cid}: {exc!r}" for cid, exc in failures)
+        raise _CloseStepError(f"{step} failed for {detail}") from failures[0][1]
 
 
 def _stream_is_capturing() -> bool:
@@ -133,8 +178,15 @@ class ChannelPool:
         barrier: Callable[[], object] | None = None,
         synchronize: Callable[[], object] | None = None,
     ) -> None:
+        check_str("name", name, "label the pool after its communicator, e.g. 'tp'")
+        check_callable(
+            "create_channel", create_channel, "pass a factory (channel_id, owner) -> Channel"
+        )
+        for arg, fn in (("barrier", barrier), ("synchronize", synchronize)):
+            if fn is not None:
+                check_callable(arg, fn, f"pass a function of no arguments, or leave {arg} out")
         self._name = name
-        self._serial = next(_pool_serials)
+        self._serial = next(_channel_pool_serials)
         self._create_channel = create_channel
         self._barrier = barrier if barrier is not None else _no_op
         self._synchronize = synchronize if synchronize is not None else _synchronize_device
@@ -144,6 +196,9 @@ class ChannelPool:
         self._live_tokens: set[int] = set()
         self._num_active_captures = 0  # across all threads/tasks, unlike the stack below
         self._closed = False
+        # Channels cut back or closed whose close failed part-way, newest first: still owned
+        # (their memory may not be freed) until retry_close() finishes them.
+        self._unclosed: list[_Closing] = []
         # Reentrant so a factory that inspects the pool cannot deadlock itself.
         self._lock = threading.RLock()
         # Per pool and per context: threads and asyncio tasks each see their own captures.
@@ -157,12 +212,23 @@ class ChannelPool:
 
     @property
     def num_channels(self) -> int:
-        return len(self._channels)
+        with self._lock:
+            return len(self._channels)
 
     @property
     def channels(self) -> tuple[Channel, ...]:
         """Snapshot of every live channel, oldest first (eager channel included)."""
-        return tuple(self._channels)
+        with self._lock:
+            return tuple(self._channels)
+
+    @property
+    def unclosed_channels(self) -> tuple[Channel, ...]:
+        """Channels a failed rollback or close left owned and not freed, newest first.
+
+        They are no longer handed out; :meth:`retry_close` finishes closing them.
+        """
+        with self._lock:
+            return tuple(entry.channel for entry in self._unclosed)
 
     @contextmanager
     def capture(self, owner: str = "capture") -> Iterator[Channel]:
@@ -175,17 +241,21 @@ class ChannelPool:
         Guarantees: :meth:`current` returns this channel inside the block, in this thread or
         task only; the previous binding is restored on exit, also on exceptions.
         """
+        check_str("owner", owner, "name the capture's owner, e.g. owner='draft'")
         stack = self._stack.get()
-        channel = stack[-1] if stack else self._create(owner)
-        reset_token = self._stack.set((*stack, channel))
+        # Picking (or creating) the channel and counting the capture are one step: a
+        # rollback in another thread either cuts back before the channel exists or sees
+        # this capture and refuses, so it can never close the channel handed out here.
         with self._lock:
+            channel = stack[-1] if stack else self._create(owner)
             self._num_active_captures += 1
+        reset_token = self._stack.set((*stack, channel))
         try:
             yield channel
         finally:
+            self._stack.reset(reset_token)
             with self._lock:
                 self._num_active_captures -= 1
-            self._stack.reset(reset_token)
 
     def current(self) -> Channel:
         """Channel of the active capture, else the eager channel (created on first use).
@@ -204,7 +274,7 @@ class ChannelPool:
     def checkpoint(self) -> ChannelCheckpoint:
         """Record the current channels so :meth:`rollback` can close every newer one.
 
-        Requires: no capture is active on this pool (RuntimeError otherwise).
+        Requires: no capture is active on this pool, in any thread (RuntimeError otherwise).
         """
         with self._lock:
             self._check_idle("checkpoint()")
@@ -221,11 +291,18 @@ class ChannelPool:
         ``free_exports``; barrier. An eager channel created after ``cp`` is dropped too, and
         the next eager use creates a new one. Collective: every rank must call it.
 
+        If a step fails, the step still runs for the other channels, then the sequence
+        stops and :class:`ChannelCloseError` names the channels not yet freed; the pool
+        keeps them in :attr:`unclosed_channels` for :meth:`retry_close`. Channels an
+        earlier failure left there are retried along with the ones this call closes.
+
         Requires: every graph that references those channels is already destroyed and the
-        device synchronized; no capture is active on this pool; ``cp`` came from this pool
-        and was neither used nor invalidated by an earlier rollback. A refused call changes
-        nothing. Guarantees: ``cp`` and every checkpoint taken after it become unusable.
+        device synchronized; no capture is active on this pool in any thread; ``cp`` came
+        from this pool and was neither used nor invalidated by an earlier rollback. A refused
+        call changes nothing. Guarantees: ``cp`` and every checkpoint taken after it become
+        unusable; the pool's lock is held throughout, so no capture starts meanwhile.
         """
+        check_instance("cp", cp, ChannelCheckpoint, "pass what checkpoint() returned")
         with self._lock:
             self._check_rollback(cp)
             doomed = self._channels[cp.num_channels :]
@@ -233,13 +310,14 @@ class ChannelPool:
             if self._eager is not None and any(ch is self._eager for ch in doomed):
                 self._eager = None
             self._live_tokens = {t for t in self._live_tokens if t < cp.token}
-            self._close_coordinated(doomed[::-1])
+            self._close_coordinated(doomed[::-1], "rollback()")
 
     def close(self) -> None:
         """Close every channel, newest first, in the coordinated order of :meth:`rollback`.
 
         Requires: as for :meth:`rollback`. Guarantees: the pool refuses further use;
-        a second call does nothing.
+        a second call does nothing. Channels that an earlier failed rollback left unclosed
+        are closed too; if this close fails, :meth:`retry_close` still works.
         """
         with self._lock:
             if self._closed:
@@ -250,7 +328,18 @@ class ChannelPool:
             self._eager = None
             self._live_tokens.clear()
             self._closed = True
-            self._close_coordinated(doomed)
+            self._close_coordinated(doomed, "close()")
+
+    def retry_close(self) -> None:
+        """Finish closing :attr:`unclosed_channels`, each from the step where it stopped.
+
+        Collective, in the order of :meth:`rollback`: every rank calls it, also a rank with
+        nothing left to close (a failure on one rank can leave its peers with nothing), so
+        every rank takes part in the same barriers. Legal after :meth:`close`. Raises
+        :class:`ChannelCloseError` again if a step fails again.
+        """
+        with self._lock:
+            self._run_close_steps("retry_close()")
 
     def _create(self, owner: str) -> Channel:
         if _stream_is_capturing():
@@ -262,13 +351,19 @@ class ChannelPool:
             self._check_open()
             channel_id = self._next_channel_id
             channel = self._create_channel(channel_id, owner)
+            if not isinstance(channel, Channel):
+                raise TypeError(
+                    f"ChannelPool {self._name!r}: create_channel({channel_id}, {owner!r}) "
+                    f"returned {channel!r} ({type(channel).__name__}), not a Channel; return "
+                    f"an object with channel_id, close_imports() and free_exports()"
+                )
             self._next_channel_id += 1
             self._channels.append(channel)
             return channel
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError(f"ChannelPool {self._name!r} is closed; create a new pool")
+            raise RuntimeError(f"ChannelPool {self._name!r} is closed; create a new ChannelPool")
 
     def _check_idle(self, what: str) -> None:
         self._check_open()
@@ -276,15 +371,16 @@ class ChannelPool:
             raise RuntimeError(
                 f"ChannelPool {self._name!r}: {what} refused while "
                 f"{self._num_active_captures} capture block(s) are active; a captured graph "
-                f"may still bind these channels. Call it after leaving every pool.capture()"
+                f"may still bind these channels. Call it after leaving every channel_pool.capture()"
             )
 
     def _check_rollback(self, cp: ChannelCheckpoint) -> None:
-        if cp.pool_serial != self._serial:
+        if cp.channel_pool_serial != self._serial:
             raise ValueError(
-                f"ChannelPool {self._name!r}: checkpoint belongs to pool {cp.pool_name!r} "
-                f"(serial {cp.pool_serial}), not to pool {self._name!r} (serial "
-                f"{self._serial}); roll it back on the pool that created it"
+                f"ChannelPool {self._name!r}: checkpoint belongs to ChannelPool "
+                f"{cp.channel_pool_name!r} (serial {cp.channel_pool_serial}), not to "
+                f"{self._name!r} (serial {self._serial}); roll it back on the channel pool "
+                f"that created it"
             )
         self._check_idle("rollback()")
         if cp.token not in self._live_tokens:
@@ -293,106 +389,103 @@ class ChannelPool:
                 f"invalidated by an earlier rollback; take a new checkpoint()"
             )
 
-    def _close_coordinated(self, newest_first: list[Channel]) -> None:
+    def _close_coordinated(self, newest_first: list[Channel], what: str) -> None:
         if not newest_first:
             return
+        # Owned until freed: a failure below must not make the pool forget them.
+        self._unclosed[:0] = [_Closing(channel) for channel in newest_first]
+        self._run_close_steps(what)
+
+    def _run_close_steps(self, what: str) -> None:
+        closing = self._unclosed
         # No rank may unmap or free while a peer's kernel can still touch the memory, and no
         # rank may free its exports while a peer still maps them; the barriers order that.
-        self._synchronize()
-        self._barrier()
-        for channel in newest_first:
-            channel.close_imports()
-        self._barrier()
-        for channel in newest_first:
-            channel.free_exports()
-        self._barrier()
+        steps: list[tuple[str, Callable[[], object]]] = [
+            ("synchronize", self._synchronize),
+            ("the first barrier", self._barrier),
+            ("close_imports", lambda: _close_step(closing, "close_imports")),
+            ("the second barrier", self._barrier),
+            ("free_exports", lambda: _close_step(closing, "free_exports")),
+            ("the last barrier", self._barrier),
+        ]
+        for label, step in steps:
+            try:
+                step()
+            except Exception as exc:
+                self._unclosed = [e for e in closing if "free_exports" not in e.done]
+                raise self._close_error(what, label, exc) from exc
+        self._unclosed = []
 
-
-def checkpoint_pools(pools: Iterable[ChannelPool]) -> PoolsCheckpoint:
-    """Checkpoint each distinct pool once, in first-seen order (groups may share a pool).
-
-    Requires: no capture is active on any of them. A refused call leaves earlier pools'
-    checkpoints unused, which is harmless.
-    """
-    distinct: dict[int, ChannelPool] = {}
-    for pool in pools:
-        distinct.setdefault(id(pool), pool)
-    ordered = tuple(distinct.values())
-    return PoolsCheckpoint(ordered, tuple(pool.checkpoint() for pool in ordered))
-
-
-def rollback_pools(cp: PoolsCheckpoint) -> None:
-    """Roll back every pool of ``cp`` in reverse checkpoint order.
-
-    Requires: as for :meth:`ChannelPool.rollback`, on every pool. All pools are checked
-    before any is rolled back, so a refused call changes nothing.
-    """
-    pairs = list(zip(cp.pools, cp.checkpoints, strict=True))
-    for pool, pool_cp in pairs:
-        with pool._lock:
-            pool._check_rollback(pool_cp)
-    for pool, pool_cp in reversed(pairs):
-        pool.rollback(pool_cp)
-
-
-class DeviceChannel:
-    """Single-process channel: a ``uint8`` buffer and ``int32`` signal slots on one device.
-
-    Owns: both tensors, until :meth:`free_exports`. Kernels captured with them borrow them.
-    Using the channel after :meth:`close_imports` or :meth:`free_exports` raises
-    RuntimeError. Creating one allocates, so it is not legal during capture.
-    """
-
-    def __init__(
-        self,
-        channel_id: int,
-        owner: str,
-        nbytes: int,
-        device: torch.device | str | int,
-        num_signal_slots: int = 64,
-    ) -> None:
-        _check_sizes(nbytes, num_signal_slots)
-        self.channel_id = channel_id
-        self.owner = owner
-        self._buffer: torch.Tensor | None = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        self._signal: torch.Tensor | None = torch.zeros(
-            num_signal_slots, dtype=torch.int32, device=device
-        )
-        self._closed = False
-
-    @property
-    def buffer(self) -> torch.Tensor:
-        return self._live(self._buffer, "buffer")
-
-    @property
-    def signal(self) -> torch.Tensor:
-        return self._live(self._signal, "signal")
-
-    def close_imports(self) -> None:
-        # One process imports nothing; only mark the channel unusable.
-        self._closed = True
-
-    def free_exports(self) -> None:
-        self._closed = True
-        self._buffer = None
-        self._signal = None
-
-    def _live(self, tensor: torch.Tensor | None, what: str) -> torch.Tensor:
-        if self._closed or tensor is None:
-            raise RuntimeError(
-                f"channel {self.channel_id} ({self.owner!r}) is closed; {what} is gone. "
-                f"Use pool.current() or a new pool.capture() for a live channel"
+    def _close_error(self, what: str, label: str, exc: Exception) -> ChannelCloseError:
+        ids = tuple(entry.channel.channel_id for entry in self._unclosed)
+        if ids:
+            outcome = (
+                f"the pool still owns channel(s) {list(ids)}, not yet freed. Fix the cause, "
+                f"then call retry_close() on every rank"
             )
-        return tensor
+        else:
+            outcome = "every channel was freed, but the ranks may be out of step"
+        cause = str(exc) if isinstance(exc, _CloseStepError) else repr(exc)
+        return ChannelCloseError(
+            f"ChannelPool {self._name!r}: {what} failed in {label} ({cause}); {outcome}",
+            self._name,
+            ids,
+        )
 
 
-def device_channel_factory(
-    nbytes: int, device: torch.device | str | int, num_signal_slots: int = 64
-) -> CreateChannelFn:
-    """Return a ``create_channel`` for :class:`ChannelPool` making :class:`DeviceChannel`."""
-    _check_sizes(nbytes, num_signal_slots)
+def checkpoint_channel_pools(channel_pools: Iterable[ChannelPool]) -> ChannelPoolsCheckpoint:
+    """Checkpoint each distinct channel pool once, in first-seen order (groups may share one).
 
-    def create_channel(channel_id: int, owner: str) -> Channel:
-        return DeviceChannel(channel_id, owner, nbytes, device, num_signal_slots)
+    Requires: no capture is active on any of them (RuntimeError otherwise, and none is
+    checkpointed). Every one's lock is held throughout, so no capture starts in between.
+    """
+    if isinstance(channel_pools, ChannelPool):
+        raise TypeError(
+            f"channel_pools must be an iterable of ChannelPool, got the single ChannelPool "
+            f"{channel_pools.name!r}; pass [channel_pool]"
+        )
+    distinct: dict[int, ChannelPool] = {}
+    for i, channel_pool in enumerate(channel_pools):
+        check_instance(f"channel_pools[{i}]", channel_pool, ChannelPool, "pass ChannelPools only")
+        distinct.setdefault(id(channel_pool), channel_pool)
+    ordered = tuple(distinct.values())
+    with _locked(ordered):
+        for channel_pool in ordered:
+            channel_pool._check_idle("checkpoint_channel_pools()")
+        return ChannelPoolsCheckpoint(ordered, tuple(c.checkpoint() for c in ordered))
 
-    return create_channel
+
+def rollback_channel_pools(cp: ChannelPoolsCheckpoint) -> None:
+    """Roll back every channel pool of ``cp`` in reverse checkpoint order.
+
+    Requires: as for :meth:`ChannelPool.rollback`, on every one. All are checked before any
+    is rolled back, and every one's lock is held from the checks to the end, so a refused
+    call changes nothing and no capture starts in between. One whose channels fail to
+    close does not stop the others; the first :class:`ChannelCloseError` is raised once
+    all were rolled back, with the others as notes.
+    """
+    fix = "pass what checkpoint_channel_pools() returned"
+    check_instance("cp", cp, ChannelPoolsCheckpoint, fix)
+    pairs = list(zip(cp.channel_pools, cp.checkpoints, strict=True))
+    failures: list[ChannelCloseError] = []
+    with _locked(cp.channel_pools):
+        for channel_pool, channel_pool_cp in pairs:
+            channel_pool._check_rollback(channel_pool_cp)
+        for channel_pool, channel_pool_cp in reversed(pairs):
+            try:
+                channel_pool.rollback(channel_pool_cp)
+            except ChannelCloseError as exc:
+                failures.append(exc)  # the others still roll back, in the same order
+    if failures:
+        for other in failures[1:]:
+            failures[0].add_note(f"also: {other}")
+        raise failures[0]
+
+
+@contextmanager
+def _locked(channel_pools: Iterable[ChannelPool]) -> Iterator[None]:
+    """Hold every channel pool's lock, taken in serial order so two callers cannot deadlock."""
+    with ExitStack() as stack:
+        for channel_pool in sorted(channel_pools, key=lambda c: c._serial):
+            stack.enter_context(channel_pool._lock)
+        yield

@@ -33,7 +33,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from vllm_specgraph.capture import GraphRecorder
-from vllm_specgraph.channels import ChannelPool, checkpoint_pools, rollback_pools
+from vllm_specgraph.channels import (
+    ChannelPool,
+    checkpoint_channel_pools,
+    rollback_channel_pools,
+)
 from vllm_specgraph.lanes import LaneWorkspace, use_owner
 
 __all__ = [
@@ -171,7 +175,7 @@ def _check_owners(
             "profile_graph_memory was called while the current stream is capturing a CUDA "
             "graph; call it before capture, when the engine sizes its KV cache"
         )
-    checkpoint_pools(channel_pools)  # a busy channel pool refuses here, before any warm-up
+    checkpoint_channel_pools(channel_pools)  # a busy channel pool refuses here, before any warm-up
 
 
 class DisposablePass:
@@ -217,12 +221,12 @@ def disposable_graph_pass(
     *Requires*: no capture is active. *Guarantees*: channels, lanes (buffers and
     lock state) and the redirected pools are left as they were found.
     """
-    channels_checkpoint = checkpoint_pools(channel_pools)
+    channels_checkpoint = checkpoint_channel_pools(channel_pools)
     restore: list[Step] = []
     if workspace is not None:
         lanes_checkpoint = workspace.checkpoint()
         restore.append(lambda: workspace.rollback(lanes_checkpoint))
-    restore += [settled_free_bytes, lambda: rollback_pools(channels_checkpoint)]
+    restore += [settled_free_bytes, lambda: rollback_channel_pools(channels_checkpoint)]
     try:
         disposable = DisposablePass(torch.cuda.graph_pool_handle())
         with redirect_pools(disposable.pool) if redirect_pools else nullcontext():

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import gc
-import itertools
 from collections.abc import Callable
 
 import pytest
 import torch
 
 from vllm_specgraph.channels import Channel, ChannelPool, device_channel_factory
+from vllm_specgraph.spans import overlapping_pairs, tensor_span
 
 pytestmark = pytest.mark.gpu
 
@@ -40,26 +40,15 @@ def _draft_step(x: torch.Tensor, channel: Channel) -> torch.Tensor:
 
 
 def _capture(
-    pool: ChannelPool, owner: str, step: Step, x: torch.Tensor
+    channel_pool: ChannelPool, owner: str, step: Step, x: torch.Tensor
 ) -> tuple[torch.cuda.CUDAGraph, Channel, torch.Tensor]:
-    # The pool is entered before torch.cuda.graph: channel creation must not be captured.
-    with pool.capture(owner=owner) as channel:
+    # The channel pool is entered before torch.cuda.graph: channel creation must not be captured.
+    with channel_pool.capture(owner=owner) as channel:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            assert pool.current() is channel, "capture must see its own channel"
-            out = step(x, pool.current())
+            assert channel_pool.current() is channel, "capture must see its own channel"
+            out = step(x, channel_pool.current())
     return graph, channel, out
-
-
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    start = t.data_ptr()
-    return start, start + t.numel() * t.element_size()
-
-
-def _assert_disjoint(spans: list[tuple[int, int]]) -> None:
-    ordered = sorted(spans)
-    for (_, end), (next_start, _) in itertools.pairwise(ordered):
-        assert end <= next_start, f"channel memory overlaps: {ordered}"
 
 
 def _free_driver_bytes() -> int:
@@ -71,20 +60,25 @@ def _free_driver_bytes() -> int:
 
 def test_capture_target_and_draft_get_distinct_channels_replays_match_eager():
     device = torch.device("cuda")
-    pool = ChannelPool("tp", device_channel_factory(_CHANNEL_BYTES, device, num_signal_slots=8))
+    channel_pool = ChannelPool(
+        "tp", device_channel_factory(_CHANNEL_BYTES, device, num_signal_slots=8)
+    )
     x = torch.zeros(_N, device=device)
-    eager = pool.current()
+    eager = channel_pool.current()
     _target_step(x, eager)  # warm up kernels outside capture
     _draft_step(x, eager)
     torch.cuda.synchronize()
 
-    target_graph, target, target_out = _capture(pool, "target", _target_step, x)
-    draft_graph, draft, draft_out = _capture(pool, "draft", _draft_step, x)
+    target_graph, target, target_out = _capture(channel_pool, "target", _target_step, x)
+    draft_graph, draft, draft_out = _capture(channel_pool, "draft", _draft_step, x)
 
     assert len({id(eager), id(target), id(draft)}) == 3
-    assert pool.num_channels == 3 and pool.current() is eager
+    assert channel_pool.num_channels == 3 and channel_pool.current() is eager
     channels = (eager, target, draft)
-    _assert_disjoint([_span(ch.buffer) for ch in channels] + [_span(ch.signal) for ch in channels])
+    spans = [tensor_span(ch.buffer) for ch in channels] + [
+        tensor_span(ch.signal) for ch in channels
+    ]
+    assert overlapping_pairs(spans) == [], f"channel memory overlaps: {spans}"
 
     gen = torch.Generator(device=device).manual_seed(0)
     num_target, num_draft = 0, 0
@@ -98,39 +92,39 @@ def test_capture_target_and_draft_get_distinct_channels_replays_match_eager():
         # Each graph's staged data survives the other's replay: the channels are not shared.
         torch.testing.assert_close(_staged(target), x * 2.0)
         torch.testing.assert_close(_staged(draft), x + 3.0)
-        torch.testing.assert_close(target_out, _target_step(x, pool.current()))
-        torch.testing.assert_close(draft_out, _draft_step(x, pool.current()))
+        torch.testing.assert_close(target_out, _target_step(x, channel_pool.current()))
+        torch.testing.assert_close(draft_out, _draft_step(x, channel_pool.current()))
     assert int(target.signal[0]) == num_target
     assert int(draft.signal[0]) == num_draft
 
     torch.cuda.synchronize()
     target_graph.reset()
     draft_graph.reset()
-    pool.close()
+    channel_pool.close()
 
 
 def test_rollback_after_throwaway_capture_returns_driver_memory():
     device = torch.device("cuda")
-    pool = ChannelPool("tp", device_channel_factory(_THROWAWAY_CHANNEL_BYTES, device))
+    channel_pool = ChannelPool("tp", device_channel_factory(_THROWAWAY_CHANNEL_BYTES, device))
     x = torch.ones(_N, device=device)
-    pool.current()  # the eager channel predates the checkpoint and must survive rollback
+    channel_pool.current()  # the eager channel predates the checkpoint and must survive rollback
 
     def throwaway_capture() -> tuple[int, Channel]:
-        cp = pool.checkpoint()
-        graph, channel, out = _capture(pool, "profile", _target_step, x)
+        cp = channel_pool.checkpoint()
+        graph, channel, out = _capture(channel_pool, "profile", _target_step, x)
         graph.replay()
         torch.cuda.synchronize()
         free_during = torch.cuda.mem_get_info()[0]
         del out  # the graph's private pool lives until its outputs are gone too
         graph.reset()
         del graph
-        pool.rollback(cp)
+        channel_pool.rollback(cp)
         return free_during, channel
 
     # First round pays one-time costs (lazy kernel loads, graph runtime state) that stay
     # with the process, not with the graph; measure the second round only.
     throwaway_capture()
-    num_channels = pool.num_channels
+    num_channels = channel_pool.num_channels
     free_before = _free_driver_bytes()
     free_during, channel = throwaway_capture()
     free_after = _free_driver_bytes()
@@ -139,28 +133,28 @@ def test_rollback_after_throwaway_capture_returns_driver_memory():
     assert abs(free_after - free_before) <= _TOLERANCE_BYTES, (
         f"driver free memory before {free_before / _MIB:.1f} MiB, after {free_after / _MIB:.1f} MiB"
     )
-    assert pool.num_channels == num_channels
+    assert channel_pool.num_channels == num_channels
     with pytest.raises(RuntimeError, match="closed"):
         _ = channel.buffer
-    pool.close()
+    channel_pool.close()
 
 
 def test_capture_entered_inside_graph_capture_raises_naming_fix():
     # Runs last: it exercises the refusal on a really capturing stream.
     device = torch.device("cuda")
-    pool = ChannelPool("tp", device_channel_factory(_CHANNEL_BYTES, device))
+    channel_pool = ChannelPool("tp", device_channel_factory(_CHANNEL_BYTES, device))
     x = torch.zeros(_N, device=device)
     _ = x + 1.0  # warm up outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = x + 1.0  # keep the graph non-empty
-        fix = r"enter pool\.capture\(\) before torch\.cuda\.graph"
-        with pytest.raises(RuntimeError, match=fix), pool.capture(owner="late"):
+        fix = r"enter channel_pool\.capture\(\) before torch\.cuda\.graph"
+        with pytest.raises(RuntimeError, match=fix), channel_pool.capture(owner="late"):
             pass
         with pytest.raises(RuntimeError, match="capturing"):
-            pool.current()
-    assert pool.num_channels == 0
+            channel_pool.current()
+    assert channel_pool.num_channels == 0
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(y, x + 1.0)

@@ -7,16 +7,14 @@ from vllm_specgraph.selfcheck import run_lane_selfcheck
 pytestmark = pytest.mark.gpu
 
 
-def test_run_lane_selfcheck_interleaved_replays_equal_eager():
+def test_run_lane_selfcheck_owner_lanes_exact_shared_lane_wrong():
     report = run_lane_selfcheck(iterations=100)
-    assert report.mismatches == 0, report
+    assert report.owner_lane_mismatches == 0, report
     assert report.draft_retired_bytes > 0, "the draft lane never grew"
-
-
-def test_run_lane_selfcheck_shared_lane_overlaps_owner_lanes_do_not():
-    report = run_lane_selfcheck(iterations=1)
-    assert report.shared_lane_overlap, "negative control: one shared lane must alias"
-    assert not report.lanes_overlap, "target and draft graphs hold overlapping views"
+    assert report.shared_lane_input_reused, "negative control: the freed buffer was not reused"
+    # draft-large replays after a graph that writes over its input in 2 of every 3 steps.
+    assert report.shared_lane_mismatches > 0, report
+    assert report.ok
 
 
 def _segment_pool_of(ptr: int):

@@ -27,7 +27,7 @@ def _close(estimate: int, actual: int) -> bool:
 
 def _profile(setup, owners=None):
     return profile_graph_memory(
-        owners or setup.owners(), channel_pools=[setup.channels], workspace=setup.workspace
+        owners or setup.owners(), channel_pools=[setup.channel_pool], workspace=setup.workspace
     )
 
 
@@ -62,7 +62,7 @@ def test_profile_graph_memory_estimate_matches_production_capture():
     print("\n" + report.format_table())
     recorders = []
     actual = measure_captures(
-        setup.owners(), torch.cuda.graph_pool_handle(), [setup.channels], recorders
+        setup.owners(), torch.cuda.graph_pool_handle(), [setup.channel_pool], recorders
     )
     for est, act in zip(report.owners, actual, strict=True):
         print(
@@ -79,8 +79,8 @@ def test_profile_graph_memory_estimate_matches_production_capture():
 
 def test_profile_graph_memory_gives_every_byte_back_and_repeats():
     setup = build_toy_setup()
-    setup.channels.current()  # the eager channel is production state that warm-up creates
-    channels_before = setup.channels.channels
+    setup.channel_pool.current()  # the eager channel is production state that warm-up creates
+    channels_before = setup.channel_pool.channels
     free_before = settled_free_bytes()
     first = _profile(setup)
     free_after = settled_free_bytes()
@@ -92,23 +92,23 @@ def test_profile_graph_memory_gives_every_byte_back_and_repeats():
     )
     assert second.retained_bytes <= 2 * MIB
     assert free_after - settled_free_bytes() <= 2 * MIB
-    assert setup.channels.channels == channels_before
+    assert setup.channel_pool.channels == channels_before
 
 
 def test_profile_graph_memory_fault_mid_draft_capture_restores_everything():
     setup = build_toy_setup()
     # A production graph that exists before the profiles, in its own graph set and pool.
     production_pool = torch.cuda.graph_pool_handle()
-    early = ToyGraphSet(setup.target.model, [4], setup.workspace, setup.channels)
-    early_recorder = GraphRecorder(production_pool, "target", [setup.channels])
+    early = ToyGraphSet(setup.target.model, [4], setup.workspace, setup.channel_pool)
+    early_recorder = GraphRecorder(production_pool, "target", [setup.channel_pool])
     early.capture(early_recorder)
     clean = _profile(setup)
     clean_draft = measure_captures(
-        setup.owners()[1:], torch.cuda.graph_pool_handle(), [setup.channels], []
+        setup.owners()[1:], torch.cuda.graph_pool_handle(), [setup.channel_pool], []
     )
     setup.draft.release()
 
-    channels_before = setup.channels.channels
+    channels_before = setup.channel_pool.channels
     lanes_before = setup.workspace.usage()
     free_before = settled_free_bytes()
     draft = setup.draft
@@ -120,13 +120,13 @@ def test_profile_graph_memory_fault_mid_draft_capture_restores_everything():
     owners[1] = OwnerGraphs("draft", failing_capture, draft.warmup, draft.release)
     with pytest.raises(RuntimeError, match="injected fault"):
         _profile(setup, owners)
-    assert setup.channels.channels == channels_before
+    assert setup.channel_pool.channels == channels_before
     assert setup.workspace.usage() == lanes_before
     assert abs(free_before - settled_free_bytes()) <= 2 * MIB
 
     # Production afterwards costs what it cost without the fault, and matches the estimate.
     actual = measure_captures(
-        setup.owners()[1:], torch.cuda.graph_pool_handle(), [setup.channels], []
+        setup.owners()[1:], torch.cuda.graph_pool_handle(), [setup.channel_pool], []
     )
     print(
         f"\ndraft: estimate {clean.owners[1].driver_bytes / MIB:.2f} MiB, production "
@@ -136,7 +136,7 @@ def test_profile_graph_memory_fault_mid_draft_capture_restores_everything():
     assert _close(clean_draft[0].driver_bytes, actual[0].driver_bytes), (clean_draft, actual)
     _assert_replay_equals_eager(draft, 5)
     # The pool that predates the profiles takes new graphs: no use_count assertion.
-    more = ToyGraphSet(setup.target.model, [2], setup.workspace, setup.channels)
+    more = ToyGraphSet(setup.target.model, [2], setup.workspace, setup.channel_pool)
     more.capture(early_recorder)
     _assert_replay_equals_eager(more, 2)
     _assert_replay_equals_eager(early, 2)
@@ -170,7 +170,7 @@ def test_profile_graph_memory_oom_inside_draft_capture_restores_everything():
     # Last in the file: an allocation failing inside a live capture is the harshest fault.
     setup = build_toy_setup()
     _profile(setup)
-    channels_before = setup.channels.channels
+    channels_before = setup.channel_pool.channels
     lanes_before = setup.workspace.usage()
     free_before = settled_free_bytes()
     draft = setup.draft
@@ -186,9 +186,11 @@ def test_profile_graph_memory_oom_inside_draft_capture_restores_everything():
     owners[1] = OwnerGraphs("draft", capture_then_oom, draft.warmup, draft.release)
     with pytest.raises(torch.OutOfMemoryError):
         _profile(setup, owners)
-    assert setup.channels.channels == channels_before
+    assert setup.channel_pool.channels == channels_before
     assert setup.workspace.usage() == lanes_before
     assert abs(free_before - settled_free_bytes()) <= 2 * MIB
     recorders = []
-    measure_captures(setup.owners(), torch.cuda.graph_pool_handle(), [setup.channels], recorders)
+    measure_captures(
+        setup.owners(), torch.cuda.graph_pool_handle(), [setup.channel_pool], recorders
+    )
     _assert_replay_equals_eager(draft, 7)

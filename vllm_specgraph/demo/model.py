@@ -66,7 +66,7 @@ class ToyDecoder:
         ]
 
     def forward(
-        self, x: torch.Tensor, workspace: LaneWorkspace, channels: ChannelPool
+        self, x: torch.Tensor, workspace: LaneWorkspace, channel_pool: ChannelPool
     ) -> torch.Tensor:
         batch, (h, heads) = x.shape[0], (self.config.hidden, self.config.num_heads)
         for layer in self.layers:
@@ -77,7 +77,7 @@ class ToyDecoder:
             q = qkv[:, :h].reshape(batch, heads, 1, h // heads)
             k, v = (layer[n].expand(batch, -1, -1, -1) for n in ("k", "v"))
             attn = F.scaled_dot_product_attention(q, k, v).reshape(batch, h)
-            staged = channels.current().buffer[: batch * h * 2].view(torch.bfloat16)
+            staged = channel_pool.current().buffer[: batch * h * 2].view(torch.bfloat16)
             torch.matmul(attn, layer["out"], out=staged.view(batch, h))
             x = x + staged.view(batch, h)
             torch.matmul(x, layer["up"], out=up)
@@ -93,7 +93,7 @@ class ToyGraphSet:
     explicit zero padding up to the smallest captured batch that fits.
 
     *Owns*: the static input and the graphs' outputs (pool memory) until
-    :meth:`release`. *Borrows*: model, workspace, channels.
+    :meth:`release`. *Borrows*: model, workspace, channel_pool.
     """
 
     def __init__(
@@ -101,17 +101,17 @@ class ToyGraphSet:
         model: ToyDecoder,
         batch_sizes: Sequence[int],
         workspace: LaneWorkspace,
-        channels: ChannelPool,
+        channel_pool: ChannelPool,
     ) -> None:
         if not batch_sizes or min(batch_sizes) < 1:
             raise ValueError(f"batch_sizes must be non-empty and >= 1, got {list(batch_sizes)}")
-        self.model, self.workspace, self.channels = model, workspace, channels
+        self.model, self.workspace, self.channel_pool = model, workspace, channel_pool
         self.batch_sizes = sorted(set(batch_sizes), reverse=True)
         self._input: torch.Tensor | None = None
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def run_eager(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.forward(x, self.workspace, self.channels)
+        return self.model.forward(x, self.workspace, self.channel_pool)
 
     def warmup(self) -> None:
         """Eager runs at every size: loads kernels and sizes the lane before capture."""
@@ -149,7 +149,7 @@ class ToySpeculativeSetup:
     """A target and a draft sharing one workspace and one channel pool, as in a runner."""
 
     workspace: LaneWorkspace
-    channels: ChannelPool
+    channel_pool: ChannelPool
     target: ToyGraphSet
     draft: ToyGraphSet
 
@@ -172,10 +172,10 @@ def build_toy_setup(
     device = torch.device("cuda", torch.cuda.current_device())
     workspace = LaneWorkspace(device)
     max_bytes = max(batch_sizes) * max(target.hidden, draft.hidden) * 2
-    channels = ChannelPool("tp", device_channel_factory(max_bytes, device))
+    channel_pool = ChannelPool("tp", device_channel_factory(max_bytes, device))
     return ToySpeculativeSetup(
         workspace,
-        channels,
-        ToyGraphSet(ToyDecoder(target, 0, device), batch_sizes, workspace, channels),
-        ToyGraphSet(ToyDecoder(draft, 1, device), batch_sizes, workspace, channels),
+        channel_pool,
+        ToyGraphSet(ToyDecoder(target, 0, device), batch_sizes, workspace, channel_pool),
+        ToyGraphSet(ToyDecoder(draft, 1, device), batch_sizes, workspace, channel_pool),
     )
