@@ -403,3 +403,19 @@ def test_lane_thread_runs_in_starting_lane_plain_thread_does_not():
         thread.start()
         thread.join()
     assert seen == {"lane_thread": "draft", "plain_thread": "target"}
+
+
+@pytest.mark.parametrize("request_kind", ["scratch", "persistent"])
+def test_growth_during_capture_refused_naming_caller_nothing_added(monkeypatch, request_kind):
+    ws = LaneWorkspace("cuda")  # never allocates here: the request is refused first
+    before = ws.usage()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with use_owner("draft"), pytest.raises(WorkspaceLockedError) as info:
+        if request_kind == "scratch":
+            ws.get_simultaneous(((1024,), torch.float32))
+        else:
+            ws.get_persistent("plan", (8,), torch.int32)
+    message = str(info.value)
+    assert "in a CUDA-graph capture" in message and "test_lanes.py" in message
+    assert "owner='draft'" in message and "before capture" in message
+    assert ws.usage() == before

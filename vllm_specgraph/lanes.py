@@ -13,9 +13,11 @@ gives each execution owner (target, draft, ...) its own lane, and each
   graphs which took views of it are destroyed.
 * :meth:`LaneWorkspace.lock` turns any further growth into an error that names
   the caller, so a late allocation cannot silently move memory under a graph.
-* Growth during a capture allocates outside the capturing graph's pool: the
-  buffer is shared by every later graph of its lane and must not die with
-  the graph (or the throwaway profiling pool) that happened to grow it.
+* Growth during a capture is refused, naming the caller: the new buffer would
+  be carved from the capturing graph's private pool (the caching allocator
+  serves a capturing stream from it, and no other allocation is permitted
+  while a capture is active), yet it is shared by every later graph of its
+  lane. The eager warm-up before each capture must size the lane.
 * :class:`LaneThread` starts a thread in the lane of the code that starts it.
 
 :class:`LaneWorkspace` has the interface of vLLM's ``WorkspaceManager``
@@ -122,7 +124,7 @@ class LaneThread(threading.Thread):
 
 
 class WorkspaceLockedError(RuntimeError, AssertionError):
-    """A locked workspace was asked for memory it does not already hold.
+    """A locked or capturing workspace was asked for memory it does not already hold.
 
     Also an AssertionError, which is what vLLM's own manager raises, so
     handlers written against vLLM keep matching.
@@ -246,7 +248,6 @@ class LaneWorkspace:
         self._slots = {(u, lane): _Slot() for u in range(num_ubatches) for lane in range(num_lanes)}
         self._locked = False
         self._serial = next(self._serials)
-        self._growth_stream: torch.cuda.Stream | None = None
 
     # -- lane resolution -------------------------------------------------------------
 
@@ -290,7 +291,8 @@ class LaneWorkspace:
         Each view starts on an :data:`ALIGNMENT_BYTES` boundary. Views of one call
         are valid together; a later call on the same (ubatch, lane) reuses the
         same memory. Grows the buffer if needed (see class notes); legal during
-        capture: growth then allocates outside the capturing graph's pool.
+        capture only when no growth is needed (growth then raises
+        :class:`WorkspaceLockedError`).
         """
         for shape, _ in shapes_and_dtypes:
             if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
@@ -316,13 +318,14 @@ class LaneWorkspace:
         self, slot: _Slot, required: int, owner: Owner, lane: int, ubatch: int
     ) -> torch.Tensor:
         held = 0 if slot.buffer is None else slot.buffer.numel()
-        if self._locked:
+        refusal = self._refusal()
+        if refusal:
             raise WorkspaceLockedError(
-                f"workspace is locked but {_caller_location()} needs {required} bytes "
+                f"workspace is {refusal} but {_caller_location()} needs {required} bytes "
                 f"(owner={owner!r}, lane={lane}, ubatch={ubatch}, held={held} bytes); "
-                "size the workspace during warm-up, before lock()"
+                "size the workspace during warm-up, before capture and lock()"
             )
-        with self._alloc_context(), self._outside_capture_pool():
+        with self._alloc_context():
             storage = torch.empty(
                 required + ALIGNMENT_BYTES - 1, dtype=torch.uint8, device=self.device
             )
@@ -335,18 +338,13 @@ class LaneWorkspace:
         slot.buffer = storage[start : start + required]
         return slot.buffer
 
-    def _outside_capture_pool(self) -> AbstractContextManager[object]:
-        """Route an allocation made during a capture to the ordinary pool.
-
-        While a stream captures, the caching allocator serves that stream from
-        the graph's private pool; a stream that is not capturing is served from
-        the ordinary pool. So the allocation is made on a side stream.
-        """
-        if self.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-            return nullcontext()
-        if self._growth_stream is None:
-            self._growth_stream = torch.cuda.Stream(self.device)
-        return torch.cuda.stream(self._growth_stream)
+    def _refusal(self) -> str:
+        """Why no memory may be added now ("" if it may)."""
+        if self._locked:
+            return "locked"
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return "in a CUDA-graph capture"
+        return ""
 
     def get_persistent_resource(
         self, key: Hashable, factory: Callable[[], T], *, ubatch: int | None = None
@@ -360,13 +358,15 @@ class LaneWorkspace:
         slot, owner, lane, ubatch = self._slot(ubatch)
         if key in slot.persistent:
             return slot.persistent[key]
-        if self._locked:
+        refusal = self._refusal()
+        if refusal:
             raise WorkspaceLockedError(
-                f"workspace is locked but {_caller_location()} asks for new persistent "
+                f"workspace is {refusal} but {_caller_location()} asks for new persistent "
                 f"{key!r} (owner={owner!r}, lane={lane}, ubatch={ubatch}, "
-                f"held={self._held_bytes(lane)} bytes); create it during warm-up, before lock()"
+                f"held={self._held_bytes(lane)} bytes); create it during warm-up, "
+                "before capture and lock()"
             )
-        with self._alloc_context(), self._outside_capture_pool():
+        with self._alloc_context():
             resource = factory()
         slot.persistent[key] = resource
         return resource

@@ -32,7 +32,7 @@ PATCHES: tuple[Patch, ...] = (
         "vllm.v1.worker.workspace",
         ("WorkspaceManager", "use_workspace_lane"),
         "one lane workspace (the core's): growth retires instead of freeing, "
-        "and never lands in a capturing graph's pool",
+        "and is refused during a capture instead of landing in the graph's pool",
     ),
     Patch(
         "vllm.v1.worker.gpu_worker",

@@ -9,11 +9,14 @@ This patch changes: ``WorkspaceManager`` is the core's
 :class:`~vllm_specgraph.lanes.LaneWorkspace` (same interface), and
 ``use_workspace_lane`` is the core's :func:`~vllm_specgraph.lanes.use_lane`,
 so there is one workspace and one lane selector. Growth retires the old
-buffer instead of freeing it and allocates outside any capturing pool.
+buffer instead of freeing it, and growth during a capture is refused with an
+error naming the caller (vLLM warms up each graph eagerly right before
+capturing it, so a correct caller never grows there).
 
 Why: a freed buffer that a captured graph still reads is reused by the next
-allocation, and target replays read foreign data; a buffer grown inside the
-throwaway profiling pool dies with that pool.
+allocation, and target replays read foreign data; a buffer grown inside a
+capture is carved from that graph's pool (the throwaway profiling pool, say)
+while every later graph of the lane keeps using it.
 """
 
 from __future__ import annotations
