@@ -268,7 +268,9 @@ def _plugin_report(estimate: dict[str, int], actual: dict[str, int] | None) -> d
         return tuple(OwnerMemory(name, 1, nbytes, 0) for name, nbytes in figures.items())
 
     report = GraphMemoryReport(owners(estimate), 0, 0, 0, 0, 1.0)
-    return SpecgraphCapture(report, 1.0, None if actual is None else owners(actual)).to_dict()
+    return SpecgraphCapture(
+        report, capture_wall_seconds=1.0, actual=None if actual is None else owners(actual)
+    ).to_dict()
 
 
 def test_owner_figures_reads_the_plugin_report():

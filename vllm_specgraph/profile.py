@@ -145,14 +145,16 @@ def settled_free_bytes() -> int:
 
 
 def release_capture_stream_workspaces() -> None:
-    """Free the cuBLAS workspaces torch keeps per (handle, stream).
+    """Free the cuBLAS workspaces torch keeps per (handle, stream), but the current stream's.
 
     A capture stream that only throwaway graphs used would keep its workspace
     (32 MiB on Hopper) for the life of the process, while the production
-    capture, on streams of its own, pays for new ones. *Requires*: no work in
-    flight (synchronise first); the next matmul on a stream allocates anew.
+    capture, on streams of its own, pays for new ones. The current stream's
+    workspace is production state: it is made again at once. *Requires*: no
+    work in flight (synchronise first). Not legal during capture.
     """
     torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.current_blas_handle()
 
 
 def _check_owners(

@@ -202,6 +202,14 @@ def install_wrappers(runner_cls: Any, worker_cls: Any, cuda: Any, mem: dict[str,
         mem["profile_driver_left_taken"] = a_used - b_used
         mem["profile_driver_left_taken_after_empty_cache"] = a2_used - b_used
         mem["profile_allocator_reserved_delta"] = a_res - b_res
+        if os.environ.get("E2E_PROFILE_REPEAT") == "1":
+            # Diagnosis: what a second profile in the same process measures and keeps,
+            # i.e. which part of the first one was a one-time cost of the process.
+            again = orig_prof(self)
+            cuda.synchronize()
+            cuda.empty_cache()
+            mem["profile_repeat_estimate_bytes"] = int(again)
+            mem["profile_repeat_driver_left_taken"] = drv_used() - a2_used
         return est
 
     orig_cap = runner_cls.capture_model

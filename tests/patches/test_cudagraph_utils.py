@@ -56,6 +56,7 @@ def vllm_env(install_patch, monkeypatch):
         "mem_get_info": lambda: (state["free"], 2000 * MIB),
         "graph_pool_handle": graph_pool_handle,
         "is_current_stream_capturing": lambda: False,
+        "current_blas_handle": lambda: events.append(("blas_handle",)),
     }.items():
         monkeypatch.setattr(torch.cuda, name, fn)
     monkeypatch.setattr(  # CPU builds of torch lack it
@@ -182,7 +183,13 @@ def test_profile_step_order(vllm_env):
     env.cudagraph_utils.profile_cudagraph_memory(_runner(env))
     private = (0, 2)
     steps = [e for e in env.events if e[0] not in ("empty_cache",)]
-    assert steps[:4] == [("sync",), ("clear_cublas",), ("sync",), ("minimal_kv", private)]
+    assert steps[:5] == [
+        ("sync",),
+        ("clear_cublas",),
+        ("blas_handle",),
+        ("sync",),
+        ("minimal_kv", private),
+    ]
     capture_at = steps.index(("capture_model", False, private))
     assert steps[capture_at + 1 : capture_at + 3] == [("sync",), ("speculator_capture", 1)]
     destroy_at = steps.index(("clear_graphs",))
@@ -191,7 +198,7 @@ def test_profile_step_order(vllm_env):
         ("speculator_init_cudagraph_manager", "NONE"),
         ("teardown_profiling_state",),
         ("clear_cublas",),
-        ("sync",),
+        ("blas_handle",),
         ("sync",),
     ]
 

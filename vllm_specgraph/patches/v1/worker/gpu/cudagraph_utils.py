@@ -71,8 +71,11 @@ def profile_mode() -> str:
     return mode
 
 
-def exact_cudagraph_memory(runner: GPUModelRunner) -> GraphMemoryReport:
+def exact_cudagraph_memory(runner: GPUModelRunner) -> tuple[GraphMemoryReport, dict[str, float]]:
     """Capture every graph ``runner.capture_model()`` will capture, measure, give it all back.
+
+    Returns the report and the seconds each phase took (settle, minimal KV
+    cache, capture, teardown).
 
     *Requires*: called before the KV cache exists and before any graph was
     captured (``Worker.determine_available_memory``); no capture is active.
@@ -89,7 +92,7 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> GraphMemoryReport:
 
     from vllm_specgraph.patches.v1.worker.gpu.model_runner import CaptureMeter, metering
 
-    started = time.perf_counter()
+    clock = _PhaseClock()
     workspace = current_workspace_manager()
     if not isinstance(workspace, LaneWorkspace):
         raise RuntimeError(
@@ -101,6 +104,7 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> GraphMemoryReport:
     torch.cuda.synchronize()
     release_capture_stream_workspaces()
     free_before = settled_free_bytes()
+    clock.lap("settle")
     counters = (
         compilation_counter.num_cudagraph_captured,
         compilation_counter.num_gpu_runner_capture_triggers,
@@ -113,24 +117,44 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> GraphMemoryReport:
             disposable.on_destroy(release_capture_stream_workspaces)
             with set_current_vllm_config(runner.vllm_config):
                 _init_minimal_kv_cache_for_profiling(runner)
+            clock.lap("minimal_kv_cache")
             # Production's own path, adaptive-verification runs and lock included
             # (the pass restores the lock): what it measures is what production does.
             with capture_outside_cumem_pool(), metering(CaptureMeter()) as meter:
                 total = int(runner.capture_model(profile_only=False))
             num_graphs = compilation_counter.num_cudagraph_captured - counters[0]
+            clock.lap("capture")
     finally:
         (
             compilation_counter.num_cudagraph_captured,
             compilation_counter.num_gpu_runner_capture_triggers,
         ) = counters
-    return GraphMemoryReport(
+    # The pass ended by settling (its restore steps), so a plain reading will do.
+    retained = free_before - torch.cuda.mem_get_info()[0]
+    clock.lap("teardown")
+    report = GraphMemoryReport(
         owners=meter.owners(total, num_graphs),
         one_time_bytes=0,
         transient_peak_bytes=0,
-        retained_bytes=free_before - settled_free_bytes(),
+        retained_bytes=retained,
         retained_allocator_bytes=0,
-        wall_seconds=time.perf_counter() - started,
+        wall_seconds=clock.total(),
     )
+    return report, clock.phases
+
+
+class _PhaseClock:
+    def __init__(self) -> None:
+        self._started = self._last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = now - self._last
+        self._last = now
+
+    def total(self) -> float:
+        return self._last - self._started
 
 
 @contextmanager
@@ -194,11 +218,11 @@ def _profile_cudagraph_memory(upstream: Callable[[Any], int]) -> Callable[[Any],
             return 0
         from vllm_specgraph.patches.v1.worker.gpu.model_runner import SpecgraphCapture
 
-        report = exact_cudagraph_memory(runner)
-        runner.specgraph_profile = SpecgraphCapture(estimate=report)
+        report, phases = exact_cudagraph_memory(runner)
+        runner.specgraph_profile = SpecgraphCapture(estimate=report, phase_seconds=phases)
         logger.info(
             "vllm-specgraph: CUDA graph memory profile: %s; total %.1f MiB in %d graphs; "
-            "%.2f MiB left taken after the profile; %.2f s",
+            "%.2f MiB left taken after the profile; %.2f s (%s)",
             ", ".join(
                 f"{o.owner} {o.driver_bytes / _MIB:.1f} MiB ({o.num_graphs} graphs)"
                 for o in report.owners
@@ -207,6 +231,7 @@ def _profile_cudagraph_memory(upstream: Callable[[Any], int]) -> Callable[[Any],
             sum(o.num_graphs for o in report.owners),
             report.retained_bytes / _MIB,
             report.wall_seconds,
+            ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in phases.items()),
         )
         return report.total_driver_bytes
 

@@ -129,6 +129,7 @@ class SpecgraphCapture:
     """What the plugin measured for one runner: the profile's estimate and the actual."""
 
     estimate: GraphMemoryReport
+    phase_seconds: dict[str, float] = field(default_factory=dict)
     capture_wall_seconds: float | None = None
     actual: tuple[OwnerMemory, ...] | None = None
 
@@ -142,6 +143,7 @@ class SpecgraphCapture:
             "actual_total_bytes": None
             if self.actual is None
             else sum(o.driver_bytes for o in self.actual),
+            "phase_seconds": self.phase_seconds,
             "capture_wall_seconds": self.capture_wall_seconds,
         }
 
