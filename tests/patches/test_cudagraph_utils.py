@@ -80,7 +80,7 @@ def vllm_env(install_patch, monkeypatch):
 
     def teardown(runner):
         events.append(("teardown_profiling_state",))
-        state["releasable"] = state.pop("held", 0)
+        state["releasable"], state["held"] = state["held"], 0
 
     monkeypatch.setattr(cudagraph_utils, "_init_minimal_kv_cache_for_profiling", minimal_kv)
     monkeypatch.setattr(cudagraph_utils, "_teardown_profiling_state", teardown)
@@ -100,8 +100,9 @@ def vllm_env(install_patch, monkeypatch):
 
 
 class _Speculator:
-    def __init__(self, env, fail_capture=False):
+    def __init__(self, env, fail_capture=False, one_time_bytes=0):
         self.env, self.fail_capture = env, fail_capture
+        self.one_time_bytes = one_time_bytes  # taken by the first capture, never given back
 
     def capture(self):
         from vllm.compilation.counter import compilation_counter
@@ -111,8 +112,9 @@ class _Speculator:
             self.env.workspace.get_simultaneous(((1024,), torch.float32))
         if self.fail_capture:
             raise KeyError("draft capture failed")
-        self.env.state["free"] -= 10 * MIB
+        self.env.state["free"] -= 10 * MIB + self.one_time_bytes
         self.env.state["held"] += 10 * MIB
+        self.one_time_bytes = 0
         compilation_counter.num_cudagraph_captured += 2
 
     def init_cudagraph_manager(self, mode):
@@ -147,10 +149,10 @@ class _Runner:
         return 40 * MIB
 
 
-def _runner(env, fail_capture=False, fail_draft=False):
+def _runner(env, fail_capture=False, fail_draft=False, one_time_bytes=0):
     from vllm_specgraph.patches.v1.worker.gpu.model_runner import run_speculator_in_draft_lane
 
-    speculator = run_speculator_in_draft_lane(_Speculator(env, fail_draft))
+    speculator = run_speculator_in_draft_lane(_Speculator(env, fail_draft, one_time_bytes))
     return _Runner(env, speculator, fail_capture)
 
 
@@ -267,3 +269,23 @@ def test_profile_extrapolate_mode_calls_vllm_profile(vllm_env, monkeypatch):
     with pytest.raises(ValueError, match=r"VLLM_SPECGRAPH_PROFILE='exactly'.*'exact'"):
         env.cudagraph_utils.profile_cudagraph_memory(runner)
     patches.undo()
+
+
+def test_profile_first_pass_keeps_memory_measures_again_and_budgets_it(vllm_env):
+    env = vllm_env
+    runner = _runner(env, one_time_bytes=4 * MIB)
+    budget = env.cudagraph_utils.profile_cudagraph_memory(runner)
+    report = runner.specgraph_profile.estimate
+    assert [(o.owner, o.driver_bytes) for o in report.owners] == [
+        ("target", 30 * MIB),
+        ("draft", 10 * MIB),
+    ], "the second pass measures what production will take"
+    assert (report.one_time_bytes, report.retained_bytes) == (4 * MIB, 0)
+    assert budget == 44 * MIB, "the KV cache is sized after the profile: budget what it kept"
+    assert sum(1 for e in env.events if e[0] == "capture_model") == 2
+
+
+def test_profile_without_kept_memory_captures_once(vllm_env):
+    env = vllm_env
+    env.cudagraph_utils.profile_cudagraph_memory(_runner(env))
+    assert sum(1 for e in env.events if e[0] == "capture_model") == 1

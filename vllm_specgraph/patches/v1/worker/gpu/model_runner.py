@@ -208,13 +208,16 @@ def _log_estimate_vs_actual(outcome: SpecgraphCapture) -> None:
         )
     total_actual = sum(o.driver_bytes for o in outcome.actual or ())
     total_estimate = outcome.estimate.total_driver_bytes
+    kept = outcome.estimate.one_time_bytes + max(outcome.estimate.retained_bytes, 0)
     logger.info(
-        "vllm-specgraph: CUDA graph memory, estimate vs actual: %s; total %.1f vs %.1f MiB "
-        "(%+.2f%%); production capture %.2f s, profile %.2f s (%.2fx)",
+        "vllm-specgraph: CUDA graph memory, estimate vs actual: %s; graphs %.1f vs %.1f MiB "
+        "(%+.2f%%); the budget also held %.1f MiB the profile left with the process; "
+        "production capture %.2f s, profile %.2f s (%.2fx)",
         ", ".join(parts),
         total_estimate / _MIB,
         total_actual / _MIB,
         100.0 * (total_estimate - total_actual) / max(total_actual, 1),
+        kept / _MIB,
         outcome.capture_wall_seconds,
         outcome.estimate.wall_seconds,
         outcome.estimate.wall_seconds / max(outcome.capture_wall_seconds or 0.0, 1e-9),
