@@ -259,7 +259,9 @@ def test_spec_summary_and_missing_plugin_report():
     assert run_llm.plugin_report(None) is None
 
 
-def _plugin_report(estimate: dict[str, int], actual: dict[str, int] | None) -> dict:
+def _plugin_report(
+    estimate: dict[str, int], actual: dict[str, int] | None, one_time: int = 0
+) -> dict:
     """The report as the plugin writes it (its own classes, test byte counts)."""
     from vllm_specgraph.patches.v1.worker.gpu.model_runner import SpecgraphCapture
     from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory
@@ -267,7 +269,7 @@ def _plugin_report(estimate: dict[str, int], actual: dict[str, int] | None) -> d
     def owners(figures):
         return tuple(OwnerMemory(name, 1, nbytes, 0) for name, nbytes in figures.items())
 
-    report = GraphMemoryReport(owners(estimate), 0, 0, 0, 0, 1.0)
+    report = GraphMemoryReport(owners(estimate), one_time, 0, 0, 0, 1.0)
     return SpecgraphCapture(
         report, capture_wall_seconds=1.0, actual=None if actual is None else owners(actual)
     ).to_dict()
@@ -293,7 +295,9 @@ def _write(outdir, run: dict) -> None:
 
 def test_summarize_table_checks_and_carry_over(tmp_path, capsys):
     toks = [[5, 6, 7], [8, 9]]
-    report = _plugin_report({"target": 30 * MiB}, {"target": 30 * MiB})
+    # The plugin's first pass kept 4 MiB of one-time process state: budgeted, and
+    # not counted as retained; its graph estimate equals the actual.
+    report = _plugin_report({"target": 30 * MiB}, {"target": 30 * MiB}, one_time=4 * MiB)
     runs = [
         # base: upstream over-estimates and leaves 32 MiB; the plugin is exact.
         fake_run(
@@ -310,8 +314,8 @@ def test_summarize_table_checks_and_carry_over(tmp_path, capsys):
             "tiny",
             "base",
             "on",
-            est=30 * MiB,
-            retained=0,
+            est=34 * MiB,
+            retained=4 * MiB,
             actual=30 * MiB,
             kv=8 << 30,
             tokens=toks,
@@ -353,7 +357,9 @@ def test_summarize_table_checks_and_carry_over(tmp_path, capsys):
     assert base["upstream_error_bytes"] == 5 * MiB
     assert base["upstream_error_pct"] == pytest.approx(100 * 5 / 36)
     assert base["plugin_error_bytes"] == 0
-    assert (base["retained_off_bytes"], base["retained_on_bytes"]) == (32 * MiB, 0)
+    assert (base["retained_off_bytes"], base["retained_on_bytes"]) == (32 * MiB, 4 * MiB)
+    assert base["retained_on_beyond_one_time_bytes"] == 0
+    assert (base["plugin_estimate_bytes"], base["plugin_budget_bytes"]) == (30 * MiB, 34 * MiB)
     assert (base["kv_tokens_off"], base["kv_tokens_on"]) == ((7 << 30) // 1024, (8 << 30) // 1024)
     assert base["tokens_equal_on_off"] is True
     assert base["owners_on"] == {"target": {"estimate": 30 * MiB, "actual": 30 * MiB}}
@@ -361,7 +367,9 @@ def test_summarize_table_checks_and_carry_over(tmp_path, capsys):
     assert eagle["checks"] == {"estimate": False, "retained": True, "tokens": False}
     assert eagle["status"] == "FAIL (estimate -10.0 %; tokens differ)"
     md = (res / "vllm_graph_memory.md").read_text()
-    assert "| tiny | base | 41.0 | 30.0 | 30.0 | 36.0 | +0.0 % (+0.0) | +13.9 % (+5.0) |" in md
+    assert (
+        "| tiny | base | 41.0 | 30.0 | 34.0 | 30.0 | 36.0 | +0.0 % (+0.0) | +13.9 % (+5.0) |" in md
+    )
     assert "target 30.0 / 30.0" in md and "| PASS |" in md
     printed = capsys.readouterr().out
     assert "SUMMARY: all runs ok=True (4/4), rows PASS=1/2" in printed
