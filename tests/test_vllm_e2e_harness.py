@@ -359,6 +359,8 @@ def test_summarize_table_checks_and_carry_over(tmp_path, capsys):
     assert base["plugin_error_bytes"] == 0
     assert (base["retained_off_bytes"], base["retained_on_bytes"]) == (32 * MiB, 4 * MiB)
     assert base["retained_on_beyond_one_time_bytes"] == 0
+    assert base["budget_minus_taken_off_bytes"] == (41 - 32 - 36) * MiB
+    assert base["budget_minus_taken_on_bytes"] == 0
     assert (base["plugin_estimate_bytes"], base["plugin_budget_bytes"]) == (30 * MiB, 34 * MiB)
     assert (base["kv_tokens_off"], base["kv_tokens_on"]) == ((7 << 30) // 1024, (8 << 30) // 1024)
     assert base["tokens_equal_on_off"] is True

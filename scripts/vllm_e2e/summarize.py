@@ -189,6 +189,16 @@ def build_row(size: str, case: str, off: Run | None, on: Run | None, off_switch:
         "acceptance_on": ((on or {}).get("spec") or {}).get("acceptance_rate"),
         "owners_on": owner_figures((on or {}).get("plugin_report")),
     }
+    # What the KV-cache budget had to leave: the profile is followed by KV sizing, so
+    # what it left taken counts as much as what production capture then took.
+    for side, run_, budget in (("off", off, est_off), ("on", on, budget_on)):
+        kept = row[f"retained_{side}_bytes"]
+        actual = mem_of(run_, "capture_actual_bytes")
+        taken = kept + actual if kept is not None and actual is not None else None
+        row[f"taken_{side}_bytes"] = taken
+        row[f"budget_minus_taken_{side}_bytes"] = (
+            budget - taken if budget is not None and taken is not None else None
+        )
     checks: dict[str, bool | None] = {
         "estimate": None,
         "retained": None,
@@ -402,6 +412,7 @@ COLUMNS = (
     "plugin error % (MiB)",
     "upstream error % (MiB)",
     "retained after profile off / on MiB",
+    "budget - (retained + actual) off / on MiB",
     "KV tokens off / on",
     "start-up s off / on",
     "profile / capture wall (on)",
@@ -425,6 +436,7 @@ def row_cells(row: dict) -> list[str]:
         fmt_err(row["plugin_error_bytes"], row["plugin_error_pct"]),
         fmt_err(row["upstream_error_bytes"], row["upstream_error_pct"]),
         fmt_pair(row["retained_off_bytes"], row["retained_on_bytes"], mib),
+        fmt_pair(row["budget_minus_taken_off_bytes"], row["budget_minus_taken_on_bytes"], mib),
         fmt_pair(row["kv_tokens_off"], row["kv_tokens_on"], lambda x: f"{x:,}"),
         fmt_pair(row["startup_off_s"], row["startup_on_s"], lambda x: f"{x:.1f}"),
         "-" if ratio is None else f"{ratio:.2f}",
@@ -489,7 +501,10 @@ def markdown(doc: dict) -> str:
         "for the production capture (driver-level free memory before minus after). "
         "Errors are estimate minus actual, in % of actual (MiB). Retained: driver-level "
         "bytes still taken when the profile returned; the check allows the plugin's "
-        "one-time bytes, which its budget holds. KV tokens: "
+        "one-time bytes, which its budget holds. Budget - (retained + actual): what "
+        "vLLM subtracted for graphs from the KV-cache budget, minus what the profile "
+        "left taken and the production capture then took; negative means the KV cache "
+        "was sized too large by that much. KV tokens: "
         "`num_gpu_blocks * block_size`. Start-up: the `LLM(...)` constructor. Wall ratio: "
         "the profile call over the production `capture_model` call. Per owner: the "
         "plugin's own report (`runner.specgraph_profile`)."
