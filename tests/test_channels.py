@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -41,11 +42,16 @@ class _FakeChannel:
 
 
 def _make_channel_pool(
-    name: str = "tp", events: list[tuple] | None = None
+    name: str = "tp",
+    events: list[tuple] | None = None,
+    make_channel: Callable[[int, str, str, list], Channel] | None = None,
 ) -> tuple[ChannelPool, list]:
+    """A channel pool of fake channels recording into ``events`` (``make_channel`` builds them)."""
     events = [] if events is None else events
 
     def create_channel(channel_id: int, owner: str) -> Channel:
+        if make_channel is not None:
+            return make_channel(channel_id, owner, name, events)
         events.append(("create", name, channel_id))
         return _FakeChannel(channel_id, owner, name, events)
 
@@ -593,20 +599,13 @@ class _FailingChannel(_FakeChannel):
 
 def _make_failing_channel_pool(fail: str, failing_id: int, name: str = "tp", events=None):
     """A channel pool like _make_channel_pool's whose channel ``failing_id`` fails ``fail`` once."""
-    events = [] if events is None else events
 
-    def create_channel(channel_id: int, owner: str) -> Channel:
+    def make_channel(channel_id: int, owner: str, pool_name: str, events: list) -> Channel:
         if channel_id == failing_id:
-            return _FailingChannel(channel_id, owner, name, events, fail=fail)
-        return _FakeChannel(channel_id, owner, name, events)
+            return _FailingChannel(channel_id, owner, pool_name, events, fail=fail)
+        return _FakeChannel(channel_id, owner, pool_name, events)
 
-    channel_pool = ChannelPool(
-        name,
-        create_channel,
-        barrier=lambda: events.append(("barrier", name)),
-        synchronize=lambda: events.append(("sync", name)),
-    )
-    return channel_pool, events
+    return _make_channel_pool(name, events, make_channel)
 
 
 def _capture_three(channel_pool: ChannelPool) -> None:
