@@ -87,16 +87,23 @@ def _qualified(owner: object, name: str) -> str:
 
 
 class _RunAfterExec(importlib.abc.Loader):
+    """The module's own loader, with callbacks run once after the module body."""
+
     def __init__(self, loader: importlib.abc.Loader, callbacks: list[Callable]) -> None:
         self._loader = loader
         self._callbacks = callbacks
+
+    def __getattr__(self, name: str) -> object:
+        # get_source, get_filename, is_package, ...: tracebacks and inspect use them.
+        return getattr(self._loader, name)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
-        for callback in self._callbacks:
+        callbacks, self._callbacks = self._callbacks, []  # a reload must not patch twice
+        for callback in callbacks:
             callback(module)
 
 
