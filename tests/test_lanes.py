@@ -81,7 +81,7 @@ def test_use_owner_bad_type_raises_type_error():
 
 
 def test_init_negative_lane_raises_value_error():
-    with pytest.raises(ValueError, match="'draft' maps to lane -2"):
+    with pytest.raises(ValueError, match="owner_lanes\\['draft'\\] must be >= 0, got -2"):
         LaneWorkspace("cpu", owner_lanes={"target": 0, "draft": -2})
 
 
@@ -419,3 +419,25 @@ def test_growth_during_capture_refused_naming_caller_nothing_added(monkeypatch, 
     assert "in a CUDA-graph capture" in message and "test_lanes.py" in message
     assert "owner='draft'" in message and "before capture" in message
     assert ws.usage() == before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"owner_lanes": {"draft": "1"}}, TypeError, r"owner_lanes\['draft'\] must be an int"),
+        ({"owner_lanes": {"draft": True}}, TypeError, r"owner_lanes\['draft'\] must be an int"),
+        ({"owner_lanes": {"draft": -1}}, ValueError, r"owner_lanes\['draft'\] must be >= 0"),
+        ({"owner_lanes": {1: 0}}, TypeError, "an owner_lanes key must be a non-empty str"),
+        ({"num_lanes": "2"}, TypeError, "num_lanes must be an int, got '2'"),
+        ({"num_ubatches": 2.0}, TypeError, "num_ubatches must be an int, got 2.0"),
+    ],
+)
+def test_lane_workspace_bad_argument_type_or_range_names_it(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        LaneWorkspace("cpu", **kwargs)
+
+
+def test_get_simultaneous_ubatch_of_wrong_type_names_it():
+    ws = LaneWorkspace("cpu", num_ubatches=2)
+    with pytest.raises(TypeError, match="ubatch must be an int, got '1'"):
+        ws.get_simultaneous(((4,), torch.float32), ubatch="1")

@@ -42,6 +42,8 @@ from typing import TypeVar
 
 import torch
 
+from vllm_specgraph._checks import check_int, check_str
+
 __all__ = [
     "ALIGNMENT_BYTES",
     "DEFAULT_OWNER_LANES",
@@ -219,23 +221,13 @@ class LaneWorkspace:
     ) -> None:
         if num_ubatches is None:
             num_ubatches = 1
-        if isinstance(num_ubatches, bool) or not isinstance(num_ubatches, int):
-            raise TypeError(f"num_ubatches must be an int, got {num_ubatches!r}")
-        if num_ubatches < 1:
-            raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
+        check_int("num_ubatches", num_ubatches, 1, "dual-batch overlap uses 2, else 1")
         for owner, lane in owner_lanes.items():
-            if lane < 0:
-                raise ValueError(
-                    f"owner {owner!r} maps to lane {lane}; lanes must be >= 0 "
-                    "(target uses 0, draft 1)"
-                )
+            check_str("an owner_lanes key", owner, "name owners like 'target' or 'draft'")
+            check_int(f"owner_lanes[{owner!r}]", lane, 0, "target uses lane 0, draft lane 1")
         if num_lanes is None:
             num_lanes = max(owner_lanes.values(), default=-1) + 1
-        if num_lanes < 1:
-            raise ValueError(
-                f"num_lanes must be >= 1, got {num_lanes}; map at least one owner "
-                "(e.g. owner_lanes={'target': 0})"
-            )
+        check_int("num_lanes", num_lanes, 1, "map at least one owner (owner_lanes={'target': 0})")
         beyond = {o: lane for o, lane in owner_lanes.items() if lane >= num_lanes}
         if beyond:
             raise ValueError(f"owners {beyond} map past num_lanes={num_lanes}; raise num_lanes")
@@ -275,7 +267,8 @@ class LaneWorkspace:
     def _slot(self, ubatch: int | None) -> tuple[_Slot, Owner, int, int]:
         if ubatch is None:
             ubatch = self._ubatch_id()
-        if not 0 <= ubatch < self.num_ubatches:
+        if type(ubatch) is not int or not 0 <= ubatch < self.num_ubatches:
+            check_int("ubatch", ubatch, 0, "pass the micro-batch index")
             raise ValueError(f"ubatch must be in [0, {self.num_ubatches}), got {ubatch}")
         owner = current_owner()
         lane = self.lane_of(owner)
