@@ -9,10 +9,12 @@ that existed before it ran, finds speculator graph managers by scanning the
 speculator's attributes, and leaves the profile's capture streams' cuBLAS
 workspaces taken (32 MiB per graph manager).
 
-This patch changes: ``profile_cudagraph_memory`` runs ``capture_model`` once
-over every graph production will capture, inside the core's
-:func:`~vllm_specgraph.profile.disposable_graph_pass`, and returns vLLM's own
-measure of it; the draft's share is read around the speculator's capture.
+This patch changes: ``profile_cudagraph_memory`` runs ``capture_model`` over
+every graph production will capture, inside the core's
+:func:`~vllm_specgraph.profile.disposable_graph_pass`, and takes vLLM's own
+measure of it; the draft's share is read around the speculator's capture. A
+pass that leaves memory taken met one-time process state: the profile then
+measures again, and returns the graphs plus what the process kept.
 Teardown, on success and on error: synchronise, destroy every graph (wrappers,
 speculator managers through their own ``init_cudagraph_manager``, the runner's
 profiling state) while the private pool is still the global one, free the
@@ -66,6 +68,9 @@ logger = logging.getLogger("vllm.specgraph")
 PROFILE_MODES = ("exact", "extrapolate")
 """Values of ``VLLM_SPECGRAPH_PROFILE``: the plugin's profile (default) or vLLM's."""
 
+ONE_TIME_THRESHOLD_BYTES = 1 << 20
+"""A pass that leaves more than this taken met process state for the first time."""
+
 _MIB = 1 << 20
 
 
@@ -77,10 +82,6 @@ def profile_mode() -> str:
             f"VLLM_SPECGRAPH_PROFILE={mode!r} is not a profile mode; use one of {PROFILE_MODES}"
         )
     return mode
-
-
-ONE_TIME_THRESHOLD_BYTES = 1 << 20
-"""A pass that leaves more than this taken met process state for the first time."""
 
 
 def exact_cudagraph_memory(runner: GPUModelRunner) -> tuple[GraphMemoryReport, dict[str, float]]:
