@@ -441,3 +441,18 @@ def test_get_simultaneous_ubatch_of_wrong_type_names_it():
     ws = LaneWorkspace("cpu", num_ubatches=2)
     with pytest.raises(TypeError, match="ubatch must be an int, got '1'"):
         ws.get_simultaneous(((4,), torch.float32), ubatch="1")
+
+
+def test_lane_thread_runs_inside_the_threads_own_context_like_python_3_14():
+    import contextvars
+
+    from vllm_specgraph.lanes import LaneThread, current_owner
+
+    seen = []
+    with use_owner("draft"):
+        thread = LaneThread(target=lambda: seen.append(current_owner()))
+    # Python 3.14's Thread enters its own ``_context`` around run(); entering one
+    # context twice raises, so LaneThread must keep the starter's copy elsewhere.
+    own = getattr(thread, "_context", None) or contextvars.copy_context()
+    own.run(thread.run)
+    assert seen == ["draft"]

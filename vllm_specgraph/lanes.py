@@ -34,8 +34,8 @@ import contextvars
 import itertools
 import sys
 import threading
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from math import prod
 from typing import TypeVar
@@ -78,12 +78,12 @@ def current_owner() -> Owner:
     return _current_owner.get()
 
 
-@contextmanager
-def use_owner(owner: Owner) -> Iterator[None]:
+def use_owner(owner: Owner) -> AbstractContextManager[None]:
     """Run the block as ``owner``; the previous owner is restored on exit, also on error.
 
     The selection lives in a :class:`contextvars.ContextVar`, so it is private to
     the current thread or asyncio task. Legal during capture (it allocates nothing).
+    Cheap enough for per-step calls (a plain class, not a generator).
     """
     if isinstance(owner, bool) or not isinstance(owner, str | int) or owner == "":
         raise TypeError(
@@ -92,11 +92,21 @@ def use_owner(owner: Owner) -> Iterator[None]:
         )
     if isinstance(owner, int):
         _check_lane_index(owner)
-    token = _current_owner.set(owner)
-    try:
-        yield
-    finally:
-        _current_owner.reset(token)
+    return _OwnerScope(owner)
+
+
+class _OwnerScope:
+    __slots__ = ("_owner", "_tokens")
+
+    def __init__(self, owner: Owner) -> None:
+        self._owner = owner
+        self._tokens: list[contextvars.Token[Owner]] = []
+
+    def __enter__(self) -> None:
+        self._tokens.append(_current_owner.set(self._owner))
+
+    def __exit__(self, *exc_info: object) -> None:
+        _current_owner.reset(self._tokens.pop())
 
 
 def use_lane(lane: int) -> AbstractContextManager[None]:
@@ -119,10 +129,12 @@ class LaneThread(threading.Thread):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
-        self._context = contextvars.copy_context()
+        # Not "_context": Python 3.14's Thread runs itself in its own _context, and
+        # entering one context twice raises.
+        self._starter_context = contextvars.copy_context()
 
     def run(self) -> None:
-        self._context.run(super().run)
+        self._starter_context.run(super().run)
 
 
 class WorkspaceLockedError(RuntimeError, AssertionError):

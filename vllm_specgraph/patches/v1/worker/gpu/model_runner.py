@@ -34,7 +34,7 @@ from types import ModuleType
 
 import torch
 
-from vllm_specgraph.lanes import DEFAULT_OWNER_LANES, use_lane
+from vllm_specgraph.lanes import DEFAULT_OWNER_LANES, current_owner, use_lane
 from vllm_specgraph.patches._patching import PatchSet
 from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory
 
@@ -103,6 +103,8 @@ def _in_draft_lane(method: Callable, name: str) -> Callable:
     @functools.wraps(method)
     def in_draft_lane(*args, **kwargs):
         meter = _active_meter.get() if name == "capture" else None
+        if meter is None and current_owner() == DRAFT_LANE:
+            return method(*args, **kwargs)  # a speculator method calling another one
         with use_lane(DRAFT_LANE), meter.measure("draft") if meter else nullcontext():
             return method(*args, **kwargs)
 
