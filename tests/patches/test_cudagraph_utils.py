@@ -71,6 +71,7 @@ def vllm_env(install_patch, monkeypatch):
     monkeypatch.setattr(
         platform_cls, "graph_pool_handle", lambda self: graph_pool_handle(), raising=False
     )
+    monkeypatch.setattr(platform_cls, "is_cuda", lambda self: True)
     monkeypatch.setattr(CUDAGraphWrapper, "_all_instances", weakref.WeakSet())
     monkeypatch.setattr(BreakableCUDAGraphWrapper, "_all_instances", weakref.WeakSet())
     monkeypatch.setattr(vllm.config, "set_current_vllm_config", lambda c: contextlib.nullcontext())
@@ -128,6 +129,12 @@ class _Runner:
         self.env, self.speculator, self.fail_capture = env, speculator, fail_capture
         self.compilation_config = SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL)
         self.vllm_config = object()
+        record = env.events.append
+        self.cudagraph_manager = SimpleNamespace(release_graphs=lambda: record(("release",)))
+        self.fast_prefill = object()  # holds the profiling manager, as vLLM's helper does
+        self.model_state = SimpleNamespace(
+            graphs=SimpleNamespace(release=lambda: record(("inner_release",)))
+        )
 
     def needs_cudagraph_capture(self):
         return True
@@ -178,6 +185,7 @@ def test_profile_measures_every_graph_per_owner_and_gives_everything_back(vllm_e
     assert env.new_wrapper.graph_pool == env.production_pool, "made mid-profile"
     assert not env.workspace.is_locked()
     assert env.workspace.usage()["draft"].total_bytes == 0, "lane growth rolled back"
+    assert runner.fast_prefill is None, "nothing keeps the profiling manager's outputs"
 
 
 def test_profile_step_order(vllm_env):
@@ -197,6 +205,8 @@ def test_profile_step_order(vllm_env):
     destroy_at = steps.index(("clear_graphs",))
     assert steps[destroy_at - 1] == ("sync",), "graphs are destroyed after a synchronise"
     assert steps[destroy_at + 1 :] == [
+        ("release",),
+        ("inner_release",),
         ("speculator_init_cudagraph_manager", "NONE"),
         ("teardown_profiling_state",),
         ("clear_cublas",),
@@ -289,3 +299,24 @@ def test_profile_without_kept_memory_captures_once(vllm_env):
     env = vllm_env
     env.cudagraph_utils.profile_cudagraph_memory(_runner(env))
     assert sum(1 for e in env.events if e[0] == "capture_model") == 1
+
+
+def test_profile_on_a_platform_other_than_cuda_keeps_vllm_estimate(vllm_env, monkeypatch):
+    from vllm_specgraph.patches._patching import PatchSet
+    from vllm_specgraph.patches.v1.worker.gpu.cudagraph_utils import install
+
+    env = vllm_env
+    calls = []
+
+    def vllm_profile(runner):
+        calls.append(runner)
+        return 5
+
+    monkeypatch.setattr(env.cudagraph_utils, "profile_cudagraph_memory", vllm_profile)
+    patches = PatchSet()
+    install(patches, env.cudagraph_utils)
+    monkeypatch.setattr(env.platform_cls, "is_cuda", lambda self: False)
+    runner = _runner(env)
+    assert env.cudagraph_utils.profile_cudagraph_memory(runner) == 5
+    assert calls == [runner] and not any(e[0] == "capture_model" for e in env.events)
+    patches.undo()

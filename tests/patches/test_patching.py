@@ -59,3 +59,20 @@ def test_replace_missing_name_or_changed_signature_refused_naming_the_fix():
     with pytest.raises(RuntimeError, match=r"probe\.f: its signature lacks \['b'\]"):
         patches.replace(module, "f", len, parameters=("a", "b"))
     assert patches.names == () and module.f(3) == 3
+
+
+def test_when_imported_failed_install_patches_again_on_the_next_import(package):
+    attempts = []
+
+    def install(module):
+        attempts.append(module.__name__)
+        if len(attempts) == 1:
+            raise RuntimeError("first install fails")
+        module.patched = True
+
+    when_imported(f"{package}.late", install)
+    with pytest.raises(RuntimeError, match="first install fails"):
+        __import__(f"{package}.late")
+    assert f"{package}.late" not in sys.modules
+    late = __import__(f"{package}.late", fromlist=["ORDER"])
+    assert late.patched and len(attempts) == 2

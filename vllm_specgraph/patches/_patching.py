@@ -89,7 +89,8 @@ def _qualified(owner: object, name: str) -> str:
 class _RunAfterExec(importlib.abc.Loader):
     """The module's own loader, with callbacks run once after the module body."""
 
-    def __init__(self, loader: importlib.abc.Loader, callbacks: list[Callable]) -> None:
+    def __init__(self, name: str, loader: importlib.abc.Loader, callbacks: list[Callable]) -> None:
+        self._name = name
         self._loader = loader
         self._callbacks = callbacks
 
@@ -101,10 +102,15 @@ class _RunAfterExec(importlib.abc.Loader):
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
-        self._loader.exec_module(module)
         callbacks, self._callbacks = self._callbacks, []  # a reload must not patch twice
-        for callback in callbacks:
-            callback(module)
+        try:
+            self._loader.exec_module(module)
+            for callback in callbacks:
+                callback(module)
+        except BaseException:
+            # The import fails; the next attempt must patch again, not load unpatched.
+            _finder.pending.setdefault(self._name, [])[:0] = callbacks
+            raise
 
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):
@@ -124,7 +130,7 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
             self._searching.name = None
         if spec is None or spec.loader is None:
             return None
-        spec.loader = _RunAfterExec(spec.loader, self.pending.pop(fullname))
+        spec.loader = _RunAfterExec(fullname, spec.loader, self.pending.pop(fullname))
         return spec
 
 

@@ -235,6 +235,15 @@ def _destroy_profiling_graphs(runner: GPUModelRunner) -> None:
 
     CUDAGraphWrapper.clear_all_graphs()
     BreakableCUDAGraphWrapper.clear_all_graphs()
+    if runner.cudagraph_manager is not None:
+        # Others may still hold the profiling manager (the fast-prefill helper does).
+        runner.cudagraph_manager.release_graphs()
+    runner.fast_prefill = None  # holds that manager's outputs; the real KV init remakes it
+    # DeepSeek-V4.1's model state records metadata graphs of its own at capture and
+    # drops them only at the next capture.
+    inner_graphs = getattr(runner.model_state, "graphs", None)
+    if inner_graphs is not None:
+        inner_graphs.release()
     if runner.speculator is not None:
         # The speculator's own way to replace its graph managers; the real
         # initialize_kv_cache builds the production ones.
@@ -246,8 +255,11 @@ def _profile_cudagraph_memory(upstream: Callable[[Any], int]) -> Callable[[Any],
     def profile_cudagraph_memory(runner: GPUModelRunner) -> int:
         """vLLM's graph-memory estimate entry point, answered by the exact profile."""
         from vllm.config.compilation import CUDAGraphMode
+        from vllm.platforms import current_platform
 
-        if profile_mode() == "extrapolate":
+        # The exact profile reads CUDA's driver and cuBLAS state; elsewhere (XPU, ROCm)
+        # vLLM's own estimate stands.
+        if profile_mode() == "extrapolate" or not current_platform.is_cuda():
             return upstream(runner)
         if (
             runner.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
