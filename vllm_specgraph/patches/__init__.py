@@ -55,6 +55,11 @@ PATCHES: tuple[Patch, ...] = (
         "exact disposable profile of every graph, per owner, nothing left taken",
     ),
     Patch(
+        "vllm.distributed.elastic_ep.elastic_execute",
+        ("ElasticEPScalingExecutor._release_cuda_graphs",),
+        "the workspace frees its retired buffers once elastic EP has dropped every graph",
+    ),
+    Patch(
         "vllm.v1.worker.gpu.model_runner",
         (
             "GPUModelRunner.__init__",

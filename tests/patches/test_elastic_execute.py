@@ -1,0 +1,30 @@
+"""Elastic EP's graph release frees the workspace's retired buffers (real vLLM class)."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+
+
+def test_release_cuda_graphs_then_frees_retired_buffers(monkeypatch, install_patch):
+    # monkeypatch first, so it is undone last: vLLM's method is back after the test.
+    import vllm.distributed.elastic_ep.elastic_execute as elastic_execute
+
+    workspace_module = install_patch("vllm.v1.worker.workspace")
+    executor = elastic_execute.ElasticEPScalingExecutor
+    calls = []
+
+    def release_cuda_graphs(self):  # stands for vLLM's, which needs a GPU and a model
+        calls.append(("graphs released", manager.usage()["target"].retired_bytes > 0))
+
+    monkeypatch.setattr(executor, "_release_cuda_graphs", release_cuda_graphs)
+    install_patch("vllm.distributed.elastic_ep.elastic_execute")
+    monkeypatch.setattr(workspace_module, "_manager", None)
+    workspace_module.init_workspace_manager(torch.device("cpu"), 1, 1)
+    manager = workspace_module.current_workspace_manager()
+    manager.get_simultaneous(((64,), torch.float32))
+    manager.get_simultaneous(((4096,), torch.float32))  # the outgrown buffer is retired
+    executor._release_cuda_graphs(executor.__new__(executor))
+    assert calls == [("graphs released", True)], "vLLM's release runs first"
+    assert manager.usage()["target"].retired_bytes == 0
+    assert manager.usage()["target"].live_bytes >= 4096 * 4

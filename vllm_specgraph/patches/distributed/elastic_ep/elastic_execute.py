@@ -1,0 +1,53 @@
+"""Patch for ``vllm.distributed.elastic_ep.elastic_execute`` (vLLM 0.33.0).
+
+vLLM does: on an elastic-EP scale event, ``ElasticEPScalingExecutor`` drops
+every CUDA graph (``_release_cuda_graphs``), unlocks the workspace, lets it
+grow for the new expert count, and captures again; vLLM's own manager frees
+an outgrown buffer at once.
+
+This patch changes: once the graphs are dropped, the workspace frees the
+buffers it retired (the core keeps an outgrown buffer for as long as a
+captured graph may read it, and no graph is left to read them).
+
+Why: without it every scale event would keep the outgrown buffers for the
+life of the process. A buffer outgrown after the release, before the next
+capture, is freed at the next scale event: at most one per (ubatch, lane).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from types import ModuleType
+
+from vllm_specgraph.lanes import LaneWorkspace
+from vllm_specgraph.patches._patching import PatchSet
+
+__all__ = ["install"]
+
+
+def _then_release_retired(release_cuda_graphs: Callable) -> Callable:
+    @functools.wraps(release_cuda_graphs)
+    def _release_cuda_graphs(self) -> None:
+        from vllm.v1.worker.workspace import (
+            current_workspace_manager,
+            is_workspace_manager_initialized,
+        )
+
+        release_cuda_graphs(self)
+        if is_workspace_manager_initialized():
+            workspace = current_workspace_manager()
+            if isinstance(workspace, LaneWorkspace):
+                workspace.release_retired()
+
+    return _release_cuda_graphs
+
+
+def install(patches: PatchSet, elastic_execute: ModuleType) -> None:
+    executor = elastic_execute.ElasticEPScalingExecutor
+    patches.replace(
+        executor,
+        "_release_cuda_graphs",
+        _then_release_retired(vars(executor)["_release_cuda_graphs"]),
+        parameters=("self",),
+    )
