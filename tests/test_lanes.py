@@ -456,3 +456,13 @@ def test_lane_thread_runs_inside_the_threads_own_context_like_python_3_14():
     own = getattr(thread, "_context", None) or contextvars.copy_context()
     own.run(thread.run)
     assert seen == ["draft"]
+
+
+def test_get_simultaneous_accepts_numpy_integer_dimensions_like_vllm():
+    import numpy as np
+
+    ws = LaneWorkspace("cpu")
+    (view,) = ws.get_simultaneous(((np.int64(4), 3), torch.float32))
+    assert tuple(view.shape) == (4, 3)
+    with pytest.raises(ValueError, match="negative or non-integer dimension"):
+        ws.get_simultaneous(((np.int64(-4),), torch.float32))

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextvars
 import itertools
+import operator
 import sys
 import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -300,7 +301,7 @@ class LaneWorkspace:
         :class:`WorkspaceLockedError`).
         """
         for shape, _ in shapes_and_dtypes:
-            if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+            if any(d < 0 if type(d) is int else _bad_dimension(d) for d in shape):
                 raise ValueError(
                     f"workspace shape {tuple(shape)} has a negative or non-integer dimension; "
                     "pass the concrete sizes (>= 0) of every dimension"
@@ -477,6 +478,13 @@ class LaneWorkspace:
             slot.buffer = state.buffer
             slot.retired = list(state.retired)
             slot.persistent = dict(state.persistent)
+
+
+def _bad_dimension(dimension: object) -> bool:
+    """Whether a dimension that is not a plain int is unusable (numpy ints are fine)."""
+    if isinstance(dimension, bool) or not hasattr(type(dimension), "__index__"):
+        return True
+    return operator.index(dimension) < 0
 
 
 def _slot_bytes(slot: _Slot) -> tuple[int, int, int]:

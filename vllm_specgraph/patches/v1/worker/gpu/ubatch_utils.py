@@ -8,6 +8,8 @@ which run in the lane of the code that started them (the module's
 ``threading`` name is rebound to a copy whose ``Thread`` is ``LaneThread``).
 
 Why: micro-batches of a speculator phase must take the speculator's scratch.
+The threads see every other context variable of their starter too (vLLM's
+``skip_dp_coordination`` flag, for instance), as code run inline would.
 """
 
 from __future__ import annotations
