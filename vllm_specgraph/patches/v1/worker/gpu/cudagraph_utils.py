@@ -241,9 +241,9 @@ def _destroy_profiling_graphs(runner: GPUModelRunner) -> None:
     runner.fast_prefill = None  # holds that manager's outputs; the real KV init remakes it
     # DeepSeek-V4.1's model state records metadata graphs of its own at capture and
     # drops them only at the next capture.
-    inner_graphs = getattr(runner.model_state, "graphs", None)
-    if inner_graphs is not None:
-        inner_graphs.release()
+    release_inner_graphs = getattr(getattr(runner.model_state, "graphs", None), "release", None)
+    if callable(release_inner_graphs):
+        release_inner_graphs()
     if runner.speculator is not None:
         # The speculator's own way to replace its graph managers; the real
         # initialize_kv_cache builds the production ones.
