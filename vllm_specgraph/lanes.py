@@ -63,6 +63,7 @@ ALIGNMENT_BYTES = 256
 
 DEFAULT_OWNER_LANES: Mapping[str, int] = {"target": 0, "draft": 1}
 """Target runs in lane 0; every speculator phase (load, propose, capture) in lane 1."""
+_LANES_FIX = "target uses lane 0, draft lane 1"
 
 T = TypeVar("T")
 
@@ -92,7 +93,7 @@ def use_owner(owner: Owner) -> AbstractContextManager[None]:
             f"({type(owner).__name__})"
         )
     if isinstance(owner, int):
-        _check_lane_index(owner)
+        check_int("lane", owner, 0, _LANES_FIX)
     return _OwnerScope(owner)
 
 
@@ -113,11 +114,6 @@ class _OwnerScope:
 def use_lane(lane: int) -> AbstractContextManager[None]:
     """Select a lane by index rather than by owner name (same rules as :func:`use_owner`)."""
     return use_owner(lane)
-
-
-def _check_lane_index(lane: int) -> None:
-    if lane < 0:
-        raise ValueError(f"lane must be >= 0, got {lane}; target uses lane 0, draft lane 1")
 
 
 class LaneThread(threading.Thread):
@@ -237,7 +233,7 @@ class LaneWorkspace:
         check_int("num_ubatches", num_ubatches, 1, "dual-batch overlap uses 2, else 1")
         for owner, lane in owner_lanes.items():
             check_str("an owner_lanes key", owner, "name owners like 'target' or 'draft'")
-            check_int(f"owner_lanes[{owner!r}]", lane, 0, "target uses lane 0, draft lane 1")
+            check_int(f"owner_lanes[{owner!r}]", lane, 0, _LANES_FIX)
         if num_lanes is None:
             num_lanes = max(owner_lanes.values(), default=-1) + 1
         check_int("num_lanes", num_lanes, 1, "map at least one owner (owner_lanes={'target': 0})")
@@ -262,7 +258,7 @@ class LaneWorkspace:
         Raises RuntimeError for an owner or lane this workspace was not configured with.
         """
         if isinstance(owner, int):
-            _check_lane_index(owner)
+            check_int("lane", owner, 0, _LANES_FIX)
             if owner >= self.num_lanes:
                 raise RuntimeError(
                     f"lane {owner} is not configured: this workspace has {self.num_lanes} "
