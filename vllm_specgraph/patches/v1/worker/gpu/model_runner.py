@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from types import ModuleType
 
 import torch
@@ -38,7 +38,13 @@ from vllm_specgraph.lanes import DEFAULT_OWNER_LANES, current_owner, use_lane
 from vllm_specgraph.patches._patching import PatchSet
 from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory
 
-__all__ = ["CaptureMeter", "install", "run_speculator_in_draft_lane"]
+__all__ = [
+    "CaptureMeter",
+    "SpecgraphCapture",
+    "install",
+    "metering",
+    "run_speculator_in_draft_lane",
+]
 
 logger = logging.getLogger("vllm.specgraph")
 
@@ -136,8 +142,6 @@ class SpecgraphCapture:
     actual: tuple[OwnerMemory, ...] | None = None
 
     def to_dict(self) -> dict[str, object]:
-        from dataclasses import asdict
-
         return {
             "estimate": asdict(self.estimate),
             "estimate_total_bytes": self.estimate.total_driver_bytes,
@@ -160,15 +164,6 @@ def _wrap_init(original: Callable) -> Callable:
     return __init__
 
 
-def _wrap_init_speculator(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def init_speculator(*args, **kwargs):
-        with use_lane(DRAFT_LANE):
-            return run_speculator_in_draft_lane(original(*args, **kwargs))
-
-    return init_speculator
-
-
 def _wrap_draft_call(original: Callable) -> Callable:
     @functools.wraps(original)
     def in_draft_lane(*args, **kwargs):
@@ -176,6 +171,16 @@ def _wrap_draft_call(original: Callable) -> Callable:
             return original(*args, **kwargs)
 
     return in_draft_lane
+
+
+def _wrap_init_speculator(original: Callable) -> Callable:
+    build_in_draft_lane = _wrap_draft_call(original)
+
+    @functools.wraps(original)
+    def init_speculator(*args, **kwargs):
+        return run_speculator_in_draft_lane(build_in_draft_lane(*args, **kwargs))
+
+    return init_speculator
 
 
 def _wrap_capture_model(original: Callable) -> Callable:
