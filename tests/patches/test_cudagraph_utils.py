@@ -257,28 +257,45 @@ def test_profile_fault_at_each_step_restores_pools_lanes_counters_and_reraises(
     assert not hasattr(runner, "specgraph_profile")
 
 
-def test_profile_extrapolate_mode_calls_vllm_profile(vllm_env, monkeypatch):
+@pytest.fixture
+def vllm_profile_calls(vllm_env, monkeypatch):
+    """The patch installed over a stand-in for vLLM's own profile, which returns 7."""
     from vllm_specgraph.patches._patching import PatchSet
     from vllm_specgraph.patches.v1.worker.gpu.cudagraph_utils import install
 
-    env = vllm_env
     calls = []
 
     def vllm_profile(runner):
         calls.append(runner)
         return 7
 
-    monkeypatch.setattr(env.cudagraph_utils, "profile_cudagraph_memory", vllm_profile)
+    monkeypatch.setattr(vllm_env.cudagraph_utils, "profile_cudagraph_memory", vllm_profile)
     patches = PatchSet()
-    install(patches, env.cudagraph_utils)
+    install(patches, vllm_env.cudagraph_utils)
+    yield calls
+    patches.undo()
+
+
+def test_profile_extrapolate_mode_calls_vllm_profile(vllm_env, vllm_profile_calls, monkeypatch):
+    env = vllm_env
     monkeypatch.setenv("VLLM_SPECGRAPH_PROFILE", "extrapolate")
     runner = _runner(env)
     assert env.cudagraph_utils.profile_cudagraph_memory(runner) == 7
-    assert calls == [runner]
+    assert vllm_profile_calls == [runner]
     monkeypatch.setenv("VLLM_SPECGRAPH_PROFILE", "exactly")
     with pytest.raises(ValueError, match=r"VLLM_SPECGRAPH_PROFILE='exactly'.*'exact'"):
         env.cudagraph_utils.profile_cudagraph_memory(runner)
-    patches.undo()
+
+
+def test_profile_on_a_platform_other_than_cuda_keeps_vllm_estimate(
+    vllm_env, vllm_profile_calls, monkeypatch
+):
+    env = vllm_env
+    monkeypatch.setattr(env.platform_cls, "is_cuda", lambda self: False)
+    runner = _runner(env)
+    assert env.cudagraph_utils.profile_cudagraph_memory(runner) == 7
+    assert vllm_profile_calls == [runner]
+    assert not any(e[0] == "capture_model" for e in env.events)
 
 
 def test_profile_first_pass_keeps_memory_measures_again_and_budgets_it(vllm_env):
@@ -299,24 +316,3 @@ def test_profile_without_kept_memory_captures_once(vllm_env):
     env = vllm_env
     env.cudagraph_utils.profile_cudagraph_memory(_runner(env))
     assert sum(1 for e in env.events if e[0] == "capture_model") == 1
-
-
-def test_profile_on_a_platform_other_than_cuda_keeps_vllm_estimate(vllm_env, monkeypatch):
-    from vllm_specgraph.patches._patching import PatchSet
-    from vllm_specgraph.patches.v1.worker.gpu.cudagraph_utils import install
-
-    env = vllm_env
-    calls = []
-
-    def vllm_profile(runner):
-        calls.append(runner)
-        return 5
-
-    monkeypatch.setattr(env.cudagraph_utils, "profile_cudagraph_memory", vllm_profile)
-    patches = PatchSet()
-    install(patches, env.cudagraph_utils)
-    monkeypatch.setattr(env.platform_cls, "is_cuda", lambda self: False)
-    runner = _runner(env)
-    assert env.cudagraph_utils.profile_cudagraph_memory(runner) == 5
-    assert calls == [runner] and not any(e[0] == "capture_model" for e in env.events)
-    patches.undo()
