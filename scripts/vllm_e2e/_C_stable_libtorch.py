@@ -22,6 +22,10 @@ implementations:
   priority "native"), so these exist mainly because some layers look the op
   up in ``__init__``; every call is counted in ``CALLS`` so the driver can
   report whether any of them ran.
+* ``vocab_parallel_embedding``: the tensor-parallel embedding lookup
+  (``VocabParallelEmbedding.forward`` through ``_custom_ops`` whenever
+  TP > 1 on CUDA with unquantised weights). Not a fallback: at TP > 1 it is
+  the only path, so it runs (and is captured) in every such run.
 * ``_C_cuda_utils.get_device_attribute`` and
   ``get_max_shared_memory_per_block_device_attribute`` via torch's device
   properties / cuda-bindings.
@@ -29,7 +33,8 @@ implementations:
 Everything else from the real extension (cache ops for FlashAttention,
 quantisation kernels, custom all-reduce, MoE, ...) is deliberately absent:
 vLLM guards those lookups with ``hasattr`` or only reaches them on paths that
-the end-to-end run does not take (TP=1, Triton attention, no quantisation).
+the end-to-end run does not take (Triton attention, no quantisation, custom
+all-reduce disabled or missing its library at TP > 1).
 """
 
 from __future__ import annotations
@@ -186,6 +191,39 @@ def _rotary_embedding(
     _rope_one(key, positions, head_size, cos_sin_cache, is_neox, rope_dim_offset, inverse)
 
 
+def _vocab_parallel_embedding(
+    out: torch.Tensor,
+    input_ids: torch.Tensor,
+    weight: torch.Tensor,
+    org_vocab_start_index: int,
+    org_vocab_end_index: int,
+    num_org_vocab_padding: int,
+    added_vocab_start_index: int,
+    added_vocab_end_index: int,
+) -> None:
+    """This rank's rows of a vocabulary-sharded embedding, zero rows elsewhere.
+
+    The shard holds the ids [org_start, org_end) in its first rows, then
+    ``num_org_vocab_padding`` padding rows, then the ids [added_start,
+    added_end). An id outside both ranges (another rank's, a negative padding
+    id) gives a zero row, so summing the ranks' outputs gives the full lookup.
+    Written into ``out`` ([num_tokens, embedding_dim]) without a host sync or a
+    data-dependent shape, so it can be captured in a CUDA graph."""
+    ids = input_ids.reshape(-1).to(torch.int64)
+    in_org = (ids >= org_vocab_start_index) & (ids < org_vocab_end_index)
+    in_added = (ids >= added_vocab_start_index) & (ids < added_vocab_end_index)
+    added_first_row = (org_vocab_end_index - org_vocab_start_index) + num_org_vocab_padding
+    row = torch.where(
+        in_org,
+        ids - org_vocab_start_index,
+        ids - added_vocab_start_index + added_first_row,
+    )
+    owned = in_org | in_added
+    row = torch.where(owned, row, torch.zeros_like(row))  # any valid row; zeroed below
+    torch.index_select(weight, 0, row, out=out)
+    out.masked_fill_(~owned.unsqueeze(-1), 0)
+
+
 # --------------------------------------------------------------------------
 # device attributes
 # --------------------------------------------------------------------------
@@ -260,6 +298,14 @@ def _register() -> None:
         "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, "
         "Tensor cos_sin_cache, bool is_neox, int rope_dim_offset=0, bool inverse=False) -> ()",
         _rotary_embedding,
+    )
+    _define(
+        c,
+        "_C",
+        "vocab_parallel_embedding(Tensor(a!) out, Tensor input_ids, Tensor weight, "
+        "int org_vocab_start_index, int org_vocab_end_index, int num_org_vocab_padding, "
+        "int added_vocab_start_index, int added_vocab_end_index) -> ()",
+        _vocab_parallel_embedding,
     )
     u = _lib("_C_cuda_utils")
     _define(
