@@ -13,10 +13,12 @@ import importlib.util
 import json
 import logging
 import os
+import sys
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
 MiB = 1 << 20
@@ -422,3 +424,219 @@ def test_summarize_counts_skipped_runs_as_not_run(tmp_path, capsys):
     assert doc["skipped"] == ["tiny-ngram-off", "tiny-ngram-on"]
     assert [r["status"] for r in doc["rows"]] == ["PASS"]
     assert "skipped for lack of time: tiny-ngram-off tiny-ngram-on" in capsys.readouterr().out
+
+
+# ---- tensor parallelism (--tp > 1) ----------------------------------------------
+
+e2e_worker = _load("e2e_worker")
+
+
+def _tp_args(tp: int, custom_all_reduce: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(
+        case="draft",
+        model="m",
+        draft="d",
+        eagle="e",
+        num_spec=3,
+        dtype="float32",
+        gpu_mem_util=0.1,
+        cudagraph_mode="FULL",
+        tp=tp,
+        custom_all_reduce=custom_all_reduce,
+    )
+
+
+def test_engine_kwargs_for_tensor_parallelism():
+    preset = run_llm.SIZES["tiny"]
+    tp_keys = {
+        "tensor_parallel_size",
+        "distributed_executor_backend",
+        "disable_custom_all_reduce",
+        "worker_extension_cls",
+    }
+    one = run_llm.llm_kwargs(_tp_args(1), preset)
+    legacy = _tp_args(1)
+    del legacy.tp, legacy.custom_all_reduce
+    assert one == run_llm.llm_kwargs(legacy, preset)  # TP=1: the arguments of earlier runs
+    assert not tp_keys & set(one)
+    two = run_llm.llm_kwargs(_tp_args(2), preset)
+    assert {k: two[k] for k in tp_keys} == {
+        "tensor_parallel_size": 2,
+        "distributed_executor_backend": "mp",
+        "disable_custom_all_reduce": True,
+        "worker_extension_cls": "e2e_worker.E2EWorkerExtension",
+    }
+    assert {k: v for k, v in two.items() if k not in tp_keys} == one
+    assert run_llm.llm_kwargs(_tp_args(2, True), preset)["disable_custom_all_reduce"] is False
+    module, cls = run_llm.WORKER_EXTENSION.rsplit(".", 1)
+    assert module == "e2e_worker" and hasattr(e2e_worker, cls)
+
+
+@pytest.fixture
+def worker_state(monkeypatch, tmp_path):
+    """A fresh per-process state of the worker extension, a rank directory, and
+    no CUDA needed for the weight refill."""
+    monkeypatch.setattr(
+        e2e_worker, "STATE", {"mem": None, "installed": None, "plugin_log": [], "cuda": None}
+    )
+    rank_dir = tmp_path / "run.json.ranks"
+    rank_dir.mkdir()
+    monkeypatch.setenv(run_llm.RANK_DIR_ENV, str(rank_dir))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    return rank_dir
+
+
+def test_worker_extension_measures_and_reports_a_rank(worker_state):
+    cuda = FakeCuda()
+    runner_cls, worker_cls = fake_classes(cuda, 41 * MiB, 2 * MiB, 36 * MiB, 7 << 30)
+    report = _plugin_report({"target": 36 * MiB}, {"target": 36 * MiB})
+    mem = e2e_worker.install(1, runner_cls, worker_cls, cuda)
+    assert e2e_worker.install(1, runner_cls, worker_cls, cuda) is mem  # once per process
+    assert json.loads((worker_state / "rank1.json").read_text())["mem"] == {}
+    worker_cls().determine_available_memory()
+    runner_cls().capture_model()
+
+    # What the rank left on disk as it measured, for a run that fails later on.
+    on_disk = run_llm.read_rank_files(str(worker_state))
+    assert [r["rank"] for r in on_disk] == [1]
+    assert on_disk[0]["mem"]["profile_estimate_bytes"] == 41 * MiB
+    assert on_disk[0]["mem"]["capture_actual_bytes"] == 36 * MiB
+
+    runner = runner_cls()
+    runner.specgraph_profile = SimpleNamespace(to_dict=lambda: report)
+    worker = SimpleNamespace(rank=1, local_rank=1, model_runner=runner)
+    record = e2e_worker.E2EWorkerExtension.e2e_rank_record(worker, "on")
+    assert record["rank"] == 1 and record["local_rank"] == 1
+    assert record["mem"]["profile_estimate_bytes"] == 41 * MiB
+    assert record["mem"]["profile_driver_left_taken"] == 2 * MiB
+    assert record["mem"]["capture_actual_bytes"] == 36 * MiB
+    assert record["mem"]["kv_cache_bytes"] == 7 << 30
+    assert record["plugin_report"] == report
+    assert record["wrappers_intact"] == {
+        "profile_cudagraph_memory": True,
+        "capture_model": True,
+        "determine_available_memory": True,
+    }
+    assert set(e2e_worker.WORKER_ENV_KEYS) == set(record["env"])
+    assert record["plugin"]["switch"] == "on"
+    json.dumps(record)  # crosses the process boundary as plain data
+    assert run_llm.merge_wrappers_intact(
+        [record, record | {"wrappers_intact": {"capture_model": False}}]
+    ) == {
+        "profile_cudagraph_memory": True,
+        "capture_model": False,
+        "determine_available_memory": True,
+    }
+
+
+def test_prepare_workers_makes_the_extension_importable(monkeypatch, tmp_path):
+    monkeypatch.setenv("PYTHONPATH", "/some/site")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != run_llm.HERE])
+    out = str(tmp_path / "tiny-base-on-tp2.json")
+    os.makedirs(out + ".ranks")
+    (tmp_path / "tiny-base-on-tp2.json.ranks" / "rank0.json").write_text('{"rank": 0}')
+    env = run_llm.prepare_workers(out)
+    assert env["PYTHONPATH"].split(os.pathsep) == [run_llm.HERE, "/some/site"]
+    assert os.environ[run_llm.RANK_DIR_ENV] == out + ".ranks"
+    assert os.listdir(out + ".ranks") == []  # a previous run's figures are gone
+    assert run_llm.HERE in sys.path
+    run_llm.prepare_workers(out)
+    assert os.environ["PYTHONPATH"].count(run_llm.HERE) == 1
+
+
+class _Split(torch.nn.Module):
+    """A layer with a weight and a bias and vLLM's ``tp_size`` attribute."""
+
+    def __init__(self, rows: int, cols: int, tp_size: int, bias: bool = True) -> None:
+        super().__init__()
+        self.tp_size = tp_size
+        self.weight = torch.nn.Parameter(torch.zeros(rows, cols))
+        self.bias = torch.nn.Parameter(torch.zeros(rows)) if bias else None
+
+
+class _Column(_Split):
+    pass
+
+
+class _Row(_Split):
+    pass
+
+
+class _Vocab(_Split):
+    pass
+
+
+class _Replicated(_Split):
+    pass
+
+
+class _TinyModel(torch.nn.Module):
+    def __init__(self, tp_size: int, embed: _Vocab | None = None) -> None:
+        super().__init__()
+        self.embed_tokens = embed if embed is not None else _Vocab(8, 4, tp_size, bias=False)
+        self.qkv = _Column(6, 4, tp_size)
+        self.o_proj = _Row(4, 3, tp_size)
+        self.fc = _Replicated(4, 4, tp_size)
+        self.norm = torch.nn.Module()
+        self.norm.weight = torch.nn.Parameter(torch.zeros(4))
+
+
+SPLIT = ((_Column, _Vocab), (_Row,))
+
+
+def test_sharded_parameter_names():
+    names = e2e_worker.sharded_parameter_names(_TinyModel(2), *SPLIT)
+    assert names == {"embed_tokens.weight", "qkv.weight", "qkv.bias", "o_proj.weight"}
+    assert e2e_worker.sharded_parameter_names(_TinyModel(1), *SPLIT) == set()
+
+
+def test_reinit_weights_seeds_shards_per_rank(worker_state, monkeypatch):
+    real = e2e_worker.sharded_parameter_names
+    monkeypatch.setattr(e2e_worker, "sharded_parameter_names", lambda m: real(m, *SPLIT))
+    models = {}
+    for rank in (0, 1):
+        target = _TinyModel(2)
+        draft = _TinyModel(2, embed=target.embed_tokens)  # an EAGLE head shares the embedding
+        runner = SimpleNamespace(model=target, speculator=SimpleNamespace(model=draft))
+        worker = SimpleNamespace(rank=rank, local_rank=rank, model_runner=runner)
+        done = e2e_worker.E2EWorkerExtension.e2e_reinit_weights(worker, 0.05)
+        assert done == {
+            "rank": rank,
+            "tp_rank": rank,
+            "params": 8,
+            "spec_params": 7,  # all but the shared embedding
+            "spec_model": True,
+        }
+        models[rank] = (target, draft)
+    (t0, d0), (t1, _) = models[0], models[1]
+    p0, p1 = dict(t0.named_parameters()), dict(t1.named_parameters())
+    for name in ("embed_tokens.weight", "qkv.weight", "qkv.bias", "o_proj.weight"):
+        assert not torch.equal(p0[name], p1[name]), name  # shards of one tensor differ
+    for name in ("o_proj.bias", "fc.weight", "fc.bias"):
+        assert torch.equal(p0[name], p1[name]), name  # replicated: the same on every rank
+    assert (p0["norm.weight"] == 1).all() and (p1["norm.weight"] == 1).all()
+    assert torch.equal(d0.qkv.weight, t0.qkv.weight)  # same name, same seed as the target
+    # Rank 0 keeps the name's seed, as at TP=1.
+    ref = _TinyModel(1)
+    run_llm.reinit_weights(ref, 0.05)
+    assert torch.equal(dict(ref.named_parameters())["qkv.weight"], p0["qkv.weight"])
+
+
+@pytest.mark.vllm
+def test_worker_extension_fits_vllms_worker_class():
+    """The check vLLM makes before it adds the extension to the worker's bases,
+    and the base change itself, on a throwaway subclass."""
+    try:
+        from vllm.v1.worker.gpu_worker import Worker
+    except Exception as e:  # pragma: no cover - environment-dependent
+        pytest.skip(f"vllm.v1.worker.gpu_worker not importable here: {e!r}")
+    ext = e2e_worker.E2EWorkerExtension
+    own = [a for a in dir(ext) if not a.startswith("__")]
+    assert own == ["e2e_rank_record", "e2e_reinit_weights", "init_worker_extension"]
+    assert not [a for a in own if hasattr(Worker, a)]
+
+    class Probe(Worker):
+        pass
+
+    Probe.__bases__ = (*Probe.__bases__, ext)
+    assert Probe.e2e_rank_record is ext.e2e_rank_record

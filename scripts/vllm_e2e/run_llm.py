@@ -3,7 +3,7 @@
 graphs, optional speculator, vllm-specgraph plugin on or off. One run per process.
 
     python run_llm.py --size tiny|1b --case base|draft|ngram|eagle \
-        --plugin off|on|none --out result.json
+        --plugin off|on|none [--tp N [--custom-all-reduce]] --out result.json
 
 ``--plugin`` (set in the environment before vLLM is imported):
 
@@ -21,6 +21,14 @@ The only things this script changes inside vLLM are measurement wrappers (they
 call the method they replace and read ``torch.cuda.mem_get_info`` and
 ``time.perf_counter`` around it) and a log handler that copies the plugin's log
 lines into the result; vLLM's own log lines are printed as usual.
+
+``--tp N`` (N > 1): tensor parallelism through vLLM's multiprocess executor
+(``distributed_executor_backend="mp"``; custom all-reduce disabled unless
+``--custom-all-reduce``). The model runs in one worker process per rank, so the
+wrappers, the log tap and the weight refill run there: vLLM loads
+``e2e_worker.E2EWorkerExtension`` (``worker_extension_cls``) into each worker,
+and this script reads each rank's figures back with ``llm.collective_rpc`` into
+``ranks`` of the result. TP=1 runs in this process, as before.
 """
 
 from __future__ import annotations
@@ -48,6 +56,11 @@ PLUGIN_GROUP = "vllm.general_plugins"
 PLUGIN_LOGGERS = ("vllm.specgraph", "vllm_specgraph")
 PLUGIN_LOG_PREFIX = "SPECGRAPH-LOG"
 PLUGIN_LOG_LIMIT = 500
+# vLLM imports it in every worker process at TP > 1 (this directory is on their path).
+WORKER_EXTENSION = "e2e_worker.E2EWorkerExtension"
+# Where the workers also write their figures as they are taken, so that a run that
+# fails after the profile still has them: the result path plus this suffix.
+RANK_DIR_ENV = "E2E_RANK_DIR"
 
 # Per size: config dirs under configs/ and the engine settings that differ.
 # capture_sizes None means vLLM's default capture sizes.
@@ -264,7 +277,14 @@ def wrappers_intact(installed: dict) -> dict[str, bool]:
     return {name: getattr(cls, name) is fn for name, (cls, fn) in installed.items()}
 
 
-def reinit_weights(model: Any, std: float, skip: set[int] | None = None) -> tuple[int, set[int]]:
+def reinit_weights(
+    model: Any,
+    std: float,
+    skip: set[int] | None = None,
+    *,
+    tp_rank: int = 0,
+    sharded: set[str] | None = None,
+) -> tuple[int, set[int]]:
     """Refill every parameter in place with seeded N(0, std) values (norm
     weights: 1.0), seeded by parameter name. vLLM's dummy loader fills every
     same-shaped tensor with the same +-1e-3 values, which makes greedy output
@@ -277,7 +297,13 @@ def reinit_weights(model: Any, std: float, skip: set[int] | None = None) -> tupl
     Parameters whose storage is in ``skip`` (data pointers) are left alone: an
     EAGLE head shares the target's embedding and head, possibly under another
     name, and must not re-seed them. Returns (parameters refilled, data pointers
-    of every parameter seen)."""
+    of every parameter seen).
+
+    Tensor parallelism: a parameter named in ``sharded`` holds one rank's shard,
+    and on rank ``tp_rank`` > 0 its seed also names the rank, so the shards of
+    one tensor differ (else, e.g., every vocabulary shard of the head would be
+    the same and the logits would tie across shards). Replicated parameters keep
+    the name's seed, so every rank holds the same values. TP=1 is unchanged."""
     import torch
 
     n = 0
@@ -291,8 +317,11 @@ def reinit_weights(model: Any, std: float, skip: set[int] | None = None) -> tupl
             if name.endswith("norm.weight"):
                 p.data.fill_(1.0)
             else:
+                key = name
+                if tp_rank > 0 and sharded is not None and name in sharded:
+                    key = f"{name}@tp{tp_rank}"
                 g = torch.Generator(device=p.device)
-                g.manual_seed(zlib.crc32(name.encode()))
+                g.manual_seed(zlib.crc32(key.encode()))
                 p.data.normal_(0.0, std, generator=g)
             n += 1
     torch.cuda.synchronize()
@@ -329,6 +358,9 @@ def speculative_config(case: str, draft: str, eagle: str, num_spec: int) -> dict
 
 
 def llm_kwargs(args: argparse.Namespace, preset: dict[str, Any]) -> dict[str, Any]:
+    """The ``LLM(...)`` arguments. At TP=1 exactly those of earlier runs; at
+    ``args.tp`` > 1 also the multiprocess executor, custom all-reduce off unless
+    ``args.custom_all_reduce``, and the worker extension that measures each rank."""
     compilation: dict[str, Any] = {
         "mode": 0,  # CompilationMode.NONE: no dynamo/inductor on torch 2.11
         "cudagraph_mode": args.cudagraph_mode,
@@ -336,7 +368,7 @@ def llm_kwargs(args: argparse.Namespace, preset: dict[str, Any]) -> dict[str, An
     }
     if preset["capture_sizes"] is not None:
         compilation["cudagraph_capture_sizes"] = list(preset["capture_sizes"])
-    return {
+    kw = {
         "model": args.model,
         "skip_tokenizer_init": True,
         "load_format": "dummy",
@@ -359,6 +391,13 @@ def llm_kwargs(args: argparse.Namespace, preset: dict[str, Any]) -> dict[str, An
         "speculative_config": speculative_config(args.case, args.draft, args.eagle, args.num_spec),
         "disable_log_stats": False,  # keep spec-decode counters for get_metrics()
     }
+    tp = getattr(args, "tp", 1)
+    if tp > 1:
+        kw["tensor_parallel_size"] = tp
+        kw["distributed_executor_backend"] = "mp"
+        kw["disable_custom_all_reduce"] = not getattr(args, "custom_all_reduce", False)
+        kw["worker_extension_cls"] = WORKER_EXTENSION
+    return kw
 
 
 def spec_summary(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -396,6 +435,63 @@ def plugin_report(runner: Any) -> dict | None:
     return to_dict()
 
 
+def prepare_workers(out: str) -> dict[str, str]:
+    """TP > 1: let the worker processes import the worker extension, and give
+    them a directory for their figures. Spawned workers get this process's
+    ``sys.path``; ``PYTHONPATH`` covers any other start. Returns what was set."""
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if HERE not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([HERE, *paths])
+    rank_dir = out + ".ranks"
+    os.makedirs(rank_dir, exist_ok=True)
+    for name in os.listdir(rank_dir):
+        if name.startswith("rank") and name.endswith(".json"):
+            os.remove(os.path.join(rank_dir, name))
+    os.environ[RANK_DIR_ENV] = rank_dir
+    return {"PYTHONPATH": os.environ["PYTHONPATH"], RANK_DIR_ENV: rank_dir}
+
+
+def read_rank_files(rank_dir: str) -> list[dict]:
+    """What the workers wrote as they measured (for a run that failed before the
+    figures could be read back through ``collective_rpc``)."""
+    ranks = []
+    if not os.path.isdir(rank_dir):
+        return ranks
+    for name in sorted(os.listdir(rank_dir)):
+        if name.startswith("rank") and name.endswith(".json"):
+            try:
+                with open(os.path.join(rank_dir, name)) as f:
+                    ranks.append(json.load(f))
+            except (OSError, ValueError):
+                continue
+    return sorted(ranks, key=lambda r: r.get("rank", 0))
+
+
+def collect_ranks(llm: Any, switch: str) -> list[dict]:
+    """Each worker's record (``E2EWorkerExtension.e2e_rank_record``), by rank."""
+    ranks = llm.collective_rpc("e2e_rank_record", args=(switch,))
+    return sorted(ranks, key=lambda r: r.get("rank", 0))
+
+
+def merge_wrappers_intact(ranks: list[dict]) -> dict[str, bool]:
+    """Per wrapper: still in place on every rank."""
+    out: dict[str, bool] = {}
+    for r in ranks:
+        for name, ok in (r.get("wrappers_intact") or {}).items():
+            out[name] = out.get(name, True) and bool(ok)
+    return out
+
+
+def shutdown_engine(llm: Any) -> float:
+    """Stop the engine and its worker processes (TP > 1), so that their GPU
+    memory is free before the next run starts. Returns the seconds it took."""
+    t0 = time.perf_counter()
+    llm.llm_engine.engine_core.shutdown()
+    return round(time.perf_counter() - t0, 2)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", choices=CASES, required=True)
@@ -412,12 +508,25 @@ def main() -> int:
     ap.add_argument("--gpu-mem-util", type=float, help="default: the size's")
     ap.add_argument("--cudagraph-mode", default="FULL")
     ap.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor_parallel_size; above 1, vLLM's multiprocess executor, one worker per rank",
+    )
+    ap.add_argument(
+        "--custom-all-reduce",
+        action="store_true",
+        help="at --tp > 1, leave vLLM's custom all-reduce enabled (default: disabled)",
+    )
+    ap.add_argument(
         "--reinit-std",
         type=float,
         default=0.05,
         help="re-randomise weights after start-up (0: keep vLLM's dummy weights)",
     )
     args = ap.parse_args()
+    if args.tp < 1:
+        ap.error("--tp must be at least 1")
     preset = SIZES[args.size]
     for key in ("model", "draft", "eagle"):
         if getattr(args, key) is None:
@@ -436,6 +545,10 @@ def main() -> int:
         "ok": False,
         "stage": "import",
     }
+    if args.tp > 1:
+        result["tp"] = args.tp
+        result["workers_env"] = prepare_workers(args.out)
+    llm = None
 
     def dump() -> None:
         with open(args.out, "w") as f:
@@ -465,9 +578,13 @@ def main() -> int:
         from vllm.v1.worker import gpu_worker
         from vllm.v1.worker.gpu import model_runner as mr2
 
-        mem: dict[str, Any] = {}
-        result["mem"] = mem
-        installed = install_wrappers(mr2.GPUModelRunner, gpu_worker.Worker, torch.cuda, mem)
+        # At TP > 1 the model runs in the worker processes, where the worker
+        # extension installs the same wrappers; nothing is measured here.
+        installed: dict = {}
+        if args.tp == 1:
+            mem: dict[str, Any] = {}
+            result["mem"] = mem
+            installed = install_wrappers(mr2.GPUModelRunner, gpu_worker.Worker, torch.cuda, mem)
 
         # ---- engine ----------------------------------------------------
         with open(os.path.join(args.model, "config.json")) as f:
@@ -482,12 +599,25 @@ def main() -> int:
         llm = LLM(**kw)
         result["startup_s"] = round(time.perf_counter() - t0p, 2)
         result["init_s"] = round(time.time() - t0, 1)
-        result["plugin"]["wrappers_intact"] = wrappers_intact(installed)
-        result["gpu"] = {
-            "name": torch.cuda.get_device_name(0),
-            "total_bytes": torch.cuda.mem_get_info()[1],
-            "cuda": torch.version.cuda,
-        }
+        if args.tp == 1:
+            result["plugin"]["wrappers_intact"] = wrappers_intact(installed)
+            result["gpu"] = {
+                "name": torch.cuda.get_device_name(0),
+                "total_bytes": torch.cuda.mem_get_info()[1],
+                "cuda": torch.version.cuda,
+            }
+        else:
+            # Read from the workers: no CUDA context is made in this process.
+            ranks = collect_ranks(llm, args.plugin)
+            result["ranks"] = ranks
+            result["plugin"]["wrappers_intact"] = merge_wrappers_intact(ranks)
+            gpu0 = (ranks[0].get("gpu") or {}) if ranks else {}
+            result["gpu"] = {
+                "name": gpu0.get("name"),
+                "total_bytes": gpu0.get("total_bytes"),
+                "cuda": torch.version.cuda,
+                "ranks": len(ranks),
+            }
 
         vc = llm.llm_engine.vllm_config
         cc = vc.cache_config
@@ -505,30 +635,42 @@ def main() -> int:
         if cc.num_gpu_blocks is not None and cc.block_size is not None:
             result["kv_tokens"] = int(cc.num_gpu_blocks) * int(cc.block_size)
         runner = None
-        try:
-            core = llm.llm_engine.engine_core.engine_core
-            worker = core.model_executor.driver_worker.worker
-            runner = worker.model_runner
-            result["resolved"]["runner_class"] = (
-                f"{type(runner).__module__}.{type(runner).__name__}"
-            )
-            result["resolved"]["speculator_class"] = type(
-                getattr(runner, "speculator", None)
-            ).__name__
-            result["resolved"]["attn_backend"] = (
-                [g.backend.get_name() for gs in runner.attn_groups for g in gs]
-                if hasattr(runner, "attn_groups")
-                else None
-            )
-        except Exception as e:  # informational only
-            result["resolved"]["introspect_error"] = repr(e)
+        if args.tp > 1:
+            # The runners live in the worker processes: rank 0's, as its worker read it.
+            if result["ranks"]:
+                result["resolved"].update(result["ranks"][0].get("resolved") or {})
+        else:
+            try:
+                core = llm.llm_engine.engine_core.engine_core
+                worker = core.model_executor.driver_worker.worker
+                runner = worker.model_runner
+                result["resolved"]["runner_class"] = (
+                    f"{type(runner).__module__}.{type(runner).__name__}"
+                )
+                result["resolved"]["speculator_class"] = type(
+                    getattr(runner, "speculator", None)
+                ).__name__
+                result["resolved"]["attn_backend"] = (
+                    [g.backend.get_name() for gs in runner.attn_groups for g in gs]
+                    if hasattr(runner, "attn_groups")
+                    else None
+                )
+            except Exception as e:  # informational only
+                result["resolved"]["introspect_error"] = repr(e)
 
-        try:
-            result["plugin_report"] = plugin_report(runner)
-        except Exception as e:
-            result["plugin_report"] = {"error": repr(e)}
+            try:
+                result["plugin_report"] = plugin_report(runner)
+            except Exception as e:
+                result["plugin_report"] = {"error": repr(e)}
 
-        if args.reinit_std > 0:
+        if args.reinit_std > 0 and args.tp > 1:
+            done = llm.collective_rpc("e2e_reinit_weights", args=(args.reinit_std,))
+            done = sorted(done, key=lambda r: r.get("rank", 0))
+            result["reinit_ranks"] = done
+            result["reinit_params"] = done[0]["params"] + done[0]["spec_params"]
+            if any(d.get("spec_model") for d in done):
+                result["reinit_spec_params"] = done[0]["spec_params"]
+        elif args.reinit_std > 0:
             n, target_ptrs = reinit_weights(runner.model, args.reinit_std)
             spec_model = getattr(getattr(runner, "speculator", None), "model", None)
             if spec_model is not None:
@@ -570,14 +712,28 @@ def main() -> int:
             result["shim_active"] = bool(getattr(shim, "IS_SHIM", False))
         except Exception:
             pass
+        if args.tp > 1:
+            result["ranks"] = collect_ranks(llm, args.plugin)  # shim calls include generation
         result["ok"] = True
         result["stage"] = "done"
         dump()
+        if args.tp > 1:
+            result["shutdown_s"] = shutdown_engine(llm)
+            dump()
         return 0
     except BaseException as e:
         result["error"] = repr(e)
         result["traceback"] = traceback.format_exc()
         traceback.print_exc()
+        if args.tp > 1:
+            if not result.get("ranks"):
+                result["ranks"] = read_rank_files(result["workers_env"][RANK_DIR_ENV])
+            dump()
+            if llm is not None:
+                try:
+                    shutdown_engine(llm)
+                except Exception:
+                    traceback.print_exc()
         dump()
         return 1
 
