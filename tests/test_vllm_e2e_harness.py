@@ -640,3 +640,74 @@ def test_worker_extension_fits_vllms_worker_class():
 
     Probe.__bases__ = (*Probe.__bases__, ext)
     assert Probe.e2e_rank_record is ext.e2e_rank_record
+
+
+def fake_tp_run(
+    size: str, case: str, plugin: str, ranks: list[dict], tokens: list[list[int]]
+) -> dict:
+    """A run_llm.py --tp result: run-level fields from the driver, one record per
+    rank built by the harness's own wrappers."""
+    records = []
+    for i, fig in enumerate(ranks):
+        one = fake_run(size, case, plugin, tokens=tokens, **fig)
+        records.append(
+            {
+                "rank": i,
+                "mem": one["mem"],
+                "plugin_report": one["plugin_report"],
+                "wrappers_intact": one["plugin"]["wrappers_intact"],
+            }
+        )
+    run = fake_run(size, case, plugin, tokens=tokens, **ranks[0])
+    del run["mem"], run["plugin_report"]
+    return run | {"tp": len(ranks), "ranks": records}
+
+
+def _write_tp(outdir, run: dict) -> None:
+    name = f"{run['size']}-{run['case']}-{run['plugin']['switch']}-tp{run['tp']}.json"
+    with open(os.path.join(outdir, name), "w") as f:
+        json.dump(run, f)
+
+
+def test_summarize_tensor_parallel_rows_check_every_rank(tmp_path, capsys):
+    toks = [[5, 6, 7]]
+    exact = _plugin_report({"target": 30 * MiB}, {"target": 30 * MiB})
+    off_rank = {"est": 41 * MiB, "retained": 32 * MiB, "actual": 36 * MiB, "kv": 7 << 30}
+    on_ok = {"est": 30 * MiB, "retained": 0, "actual": 30 * MiB, "kv": 8 << 30, "report": exact}
+    on_kept = on_ok | {"retained": 6 * MiB}  # rank 1 leaves 6 MiB after its profile
+    out = tmp_path / "out"
+    out.mkdir()
+    _write(out, fake_run("tiny", "base", "off", tokens=toks, **off_rank))
+    _write(out, fake_run("tiny", "base", "on", tokens=toks, **on_ok))
+    _write_tp(out, fake_tp_run("tiny", "base", "off", [off_rank, off_rank], toks))
+    _write_tp(out, fake_tp_run("tiny", "base", "on", [on_ok, on_kept], toks))
+    _write_tp(out, fake_tp_run("tiny", "eagle", "off", [off_rank, off_rank], toks))
+    _write_tp(out, fake_tp_run("tiny", "eagle", "on", [on_ok, on_ok], toks))
+    res = tmp_path / "res"
+    assert summarize.main([str(out), "--results", str(res)]) == 1
+    doc = json.loads((res / "vllm_graph_memory.json").read_text())
+    rows = {(r["size"], r["case"]): r for r in doc["rows"]}
+    assert list(rows) == [("tiny", "base"), ("tiny-tp2", "base"), ("tiny-tp2", "eagle")]
+    assert list(doc["sizes"]) == ["tiny", "tiny-tp2"]
+    assert rows[("tiny", "base")]["pass"] and "ranks" not in rows[("tiny", "base")]
+
+    base = rows[("tiny-tp2", "base")]
+    assert (base["tp"], base["worst_rank"]) == (2, 1)
+    assert base["retained_on_bytes"] == 6 * MiB  # the worst rank's figures
+    assert [r["retained_on_bytes"] for r in base["ranks"]] == [0, 6 * MiB]
+    assert [r["pass"] for r in base["ranks"]] == [True, False]
+    assert base["checks"] == {"estimate": True, "retained": False, "tokens": True}
+    assert not base["pass"] and base["status"] == "FAIL (rank 1: retained 6.0 MiB)"
+    eagle = rows[("tiny-tp2", "eagle")]
+    assert eagle["pass"] and eagle["status"] == "PASS"
+    assert eagle["plugin_error_bytes"] == 0 and eagle["upstream_error_bytes"] == 5 * MiB
+
+    md = (res / "vllm_graph_memory.md").read_text()
+    assert "| tiny-tp2 | base [rank 1 of 2] | 41.0 | 30.0 |" in md
+    assert "| tiny | base | 41.0 | 30.0 |" in md
+    runs = {(r["size"], r["case"], r["plugin"]["switch"]): r for r in doc["runs"]}
+    assert len(runs[("tiny-tp2", "base", "on")]["ranks"]) == 2
+    assert "ranks" not in runs[("tiny", "base", "on")]
+    printed = capsys.readouterr().out
+    assert "rank 1 (pid None, None): graph memory MiB: estimate=30.0 actual=30.0" in printed
+    assert "SUMMARY: all runs ok=True (6/6), rows PASS=2/3" in printed

@@ -14,6 +14,12 @@ this OUTDIR has no run for are carried over from that earlier
 vllm_graph_memory.json, with the date and machine they were measured on, so that
 two invocations (one per size) end in one table. Exits 0 only if every run ran
 and every row passed.
+
+Tensor-parallel runs (``tp`` > 1 in the result, ``--tp`` of run_llm.py) carry
+one record per rank under ``ranks``. They form their own group, ``SIZE-tpN``
+(e.g. ``tiny-tp2``), next to the TP=1 rows of that size. Their row is checked
+on every rank and shows the worst rank's figures; every rank's figures are in
+the row's ``ranks`` in the JSON.
 """
 
 from __future__ import annotations
@@ -62,6 +68,21 @@ def num(x: Any) -> float | None:
     return x if isinstance(x, int | float) and not isinstance(x, bool) else None
 
 
+def group_of(size: str, tp: Any) -> str:
+    """The table's size label: the size at TP=1, ``SIZE-tpN`` above."""
+    return size if not isinstance(tp, int) or tp <= 1 else f"{size}-tp{tp}"
+
+
+def split_group(group: str) -> tuple[str, int]:
+    size, _, tp = group.partition("-tp")
+    return size, int(tp) if tp.isdigit() else 1
+
+
+def group_order(group: str) -> tuple[int, int]:
+    size, tp = split_group(group)
+    return (SIZES.index(size) if size in SIZES else 99, tp)
+
+
 def load_runs(outdir: str) -> dict[Key, Run]:
     runs: dict[Key, Run] = {}
     for path in sorted(glob.glob(os.path.join(outdir, "*.json"))):
@@ -79,7 +100,7 @@ def load_runs(outdir: str) -> dict[Key, Run]:
         switch = plugin.get("switch", "none") if isinstance(plugin, dict) else "none"
         r["_json"] = path
         r["_log"] = path[: -len(".json")] + ".log"
-        runs[(r.get("size", "tiny"), r["case"], switch)] = r
+        runs[(group_of(r.get("size", "tiny"), r.get("tp")), r["case"], switch)] = r
     return runs
 
 
@@ -139,6 +160,67 @@ def plugin_kept(report: Any) -> tuple[float | None, float | None]:
         return None, None
     graphs = sum(o["driver_bytes"] for o in estimate["owners"])
     return graphs, estimate["one_time_bytes"] + max(estimate["retained_bytes"], 0)
+
+
+def rank_view(r: Run | None, index: int) -> Run | None:
+    """A tensor-parallel run as seen from one rank: that rank's figures and
+    plugin report, with the run's own fields (tokens, KV tokens, start-up)."""
+    if r is None:
+        return None
+    ranks = r.get("ranks") or []
+    rank = ranks[index] if index < len(ranks) else {}
+    return r | {"mem": rank.get("mem"), "plugin_report": rank.get("plugin_report")}
+
+
+def rank_worst_first(sub: dict) -> tuple:
+    """Sort key: failing ranks first, then the larger estimate error and the
+    more memory left taken after the profile."""
+    err = sub.get("plugin_error_bytes")
+    kept = sub.get("retained_on_bytes")
+    return (
+        bool(sub["pass"]),
+        -(abs(err) if err is not None else float("inf")),
+        -(kept if kept is not None else float("inf")),
+    )
+
+
+def build_tp_row(
+    size: str, case: str, off: Run | None, on: Run | None, off_switch: str, tp: int
+) -> dict:
+    """One row for a tensor-parallel (size, case): each rank's off/on pair is
+    checked like a TP=1 row; the row shows the worst rank and passes only if
+    every rank does."""
+    n = max(len((off or {}).get("ranks") or []), len((on or {}).get("ranks") or []), tp)
+    subs = []
+    for i in range(n):
+        sub = build_row(size, case, rank_view(off, i), rank_view(on, i), off_switch)
+        sub["rank"] = i
+        subs.append(sub)
+    worst = min(subs, key=rank_worst_first)
+    row = dict(worst)
+    row["tp"] = tp
+    row["worst_rank"] = worst["rank"]
+    row.pop("rank")
+    row["ranks"] = [
+        {k: v for k, v in sub.items() if k not in ("size", "case", "off_switch")} for sub in subs
+    ]
+    checks: dict[str, bool | None] = {}
+    for name in worst["checks"]:
+        values = [sub["checks"][name] for sub in subs]
+        checks[name] = (
+            False if any(v is False for v in values) else None if None in values else True
+        )
+    row["checks"] = checks
+    row["pass"] = all(sub["pass"] for sub in subs)
+    failing = [sub for sub in subs if not sub["pass"]]
+    row["status"] = (
+        "PASS"
+        if row["pass"]
+        else "FAIL ("
+        + "; ".join(f"rank {sub['rank']}: {sub['status'][len('FAIL (') : -1]}" for sub in failing)
+        + ")"
+    )
+    return row
 
 
 def build_row(size: str, case: str, off: Run | None, on: Run | None, off_switch: str) -> dict:
@@ -262,7 +344,12 @@ def size_meta(size: str, runs: dict[Key, Run], outdir: str) -> dict:
             "gpu_memory_utilization": kw.get("gpu_memory_utilization"),
             "capture_sizes": cc.get("cudagraph_capture_sizes", "vLLM default"),
             "num_capture_sizes": res.get("num_capture_sizes"),
-        },
+        }
+        | (
+            {"tensor_parallel_size": kw["tensor_parallel_size"]}
+            if kw.get("tensor_parallel_size", 1) > 1
+            else {}
+        ),
     }
 
 
@@ -280,13 +367,46 @@ def compact_run(key: Key, r: Run) -> dict:
         "plugin",
         "plugin_report",
         "tokens",
+        "tp",
     )
-    return {"size": key[0], "case": key[1], "plugin": key[2]} | {
-        k: r.get(k) for k in keep if k in r
-    }
+    out = {"size": key[0], "case": key[1], "plugin": key[2]} | {k: r.get(k) for k in keep if k in r}
+    if "ranks" in r:  # tensor parallel: every rank's figures, without its log lines
+        out["ranks"] = [
+            {k: v for k, v in rank.items() if k != "plugin_log"} for rank in r.get("ranks") or []
+        ]
+    return out
 
 
 # ---- printing --------------------------------------------------------------
+
+
+def print_ranks(r: Run) -> None:
+    """Tensor parallel: each rank's figures, plugin state, environment and
+    stand-in op counts (each rank is its own process)."""
+    for rank in r.get("ranks") or []:
+        m = rank.get("mem") or {}
+        p = rank.get("plugin") or {}
+        print(
+            f"    rank {rank.get('rank')} (pid {rank.get('pid')}, {rank.get('start_method')}):"
+            f" graph memory MiB: estimate={mib(num(m.get('profile_estimate_bytes')))}"
+            f" actual={mib(num(m.get('capture_actual_bytes')))}"
+            " | after profiling still taken (driver): "
+            f"{mib(num(m.get('profile_driver_left_taken')))}"
+            f" | KV cache MiB: {mib(num(m.get('kv_cache_bytes')))}"
+            f" | profile={m.get('profile_wall_s')} s capture={m.get('capture_wall_s')} s"
+        )
+        if p or rank.get("wrappers_intact") is not None:
+            print(
+                f"      plugin loaded={p.get('loaded')} as expected={p.get('loaded_as_expected')}"
+                f" from={p.get('module_file')} wrappers intact={rank.get('wrappers_intact')}"
+                f" report={'yes' if rank.get('plugin_report') else 'no'}"
+            )
+        if rank.get("env") is not None:
+            print(f"      env: {rank.get('env')}")
+        if rank.get("shim_calls") is not None:
+            print(f"      shim ops called: {rank.get('shim_calls')}")
+        for line in (rank.get("plugin_log") or [])[:PLUGIN_LOG_SHOWN]:
+            print(f"      {PLUGIN_LOG_PREFIX} {line[:200]}")
 
 
 def print_run(key: Key, r: Run) -> None:
@@ -313,15 +433,18 @@ def print_run(key: Key, r: Run) -> None:
             f" cg={res.get('cudagraph_mode')} sizes={res.get('num_capture_sizes')}"
             f" attn={res.get('attn_backend')}"
         )
-        print(
-            f"    graph memory MiB: estimate={mib(num(m.get('profile_estimate_bytes')))}"
-            f" actual={mib(num(m.get('capture_actual_bytes')))}"
-            " | after profiling still taken (driver): "
-            f"{mib(num(m.get('profile_driver_left_taken')))}"
-            " (after empty_cache: "
-            f"{mib(num(m.get('profile_driver_left_taken_after_empty_cache')))})"
-            f" | KV cache MiB: {mib(num(m.get('kv_cache_bytes')))}, tokens {kv_tokens(r)}"
-        )
+        if "ranks" in r:  # tensor parallel: the figures are per rank, below
+            print(f"    tensor parallel: {len(r['ranks'])} ranks, KV tokens {kv_tokens(r)}")
+        else:
+            print(
+                f"    graph memory MiB: estimate={mib(num(m.get('profile_estimate_bytes')))}"
+                f" actual={mib(num(m.get('capture_actual_bytes')))}"
+                " | after profiling still taken (driver): "
+                f"{mib(num(m.get('profile_driver_left_taken')))}"
+                " (after empty_cache: "
+                f"{mib(num(m.get('profile_driver_left_taken_after_empty_cache')))})"
+                f" | KV cache MiB: {mib(num(m.get('kv_cache_bytes')))}, tokens {kv_tokens(r)}"
+            )
         print(
             f"    timings s: import={r.get('import_s')} startup={r.get('startup_s')}"
             f" profile={m.get('profile_wall_s')} capture={m.get('capture_wall_s')}"
@@ -344,6 +467,8 @@ def print_run(key: Key, r: Run) -> None:
         )
     for line in (r.get("plugin_log") or [])[:PLUGIN_LOG_SHOWN]:
         print(f"    {PLUGIN_LOG_PREFIX} {line[:200]}")
+    if "ranks" in r:
+        print_ranks(r)
     logp = r.get("_log")
     if logp and os.path.exists(logp):
         with open(logp, errors="replace") as f:
@@ -357,7 +482,7 @@ def compare_tokens(runs: dict[Key, Run]) -> bool | None:
     """Speculative outputs against the baseline of the same size and switch; None
     when there was nothing to compare."""
     all_eq: bool | None = None
-    for size in SIZES:
+    for size in sorted({k[0] for k in runs}, key=group_order):
         for switch in ("off", "on", "none"):
             base = runs.get((size, "base", switch))
             if not base or not base.get("ok"):
@@ -427,7 +552,8 @@ def row_cells(row: dict) -> list[str]:
     return [
         row["size"],
         row["case"]
-        + ("" if row.get("off_switch", "off") == "off" else f" (off={row['off_switch']})"),
+        + ("" if row.get("off_switch", "off") == "off" else f" (off={row['off_switch']})")
+        + (f" [rank {row['worst_rank']} of {row['tp']}]" if "worst_rank" in row else ""),
         mib(row["upstream_estimate_bytes"]),
         mib(row["plugin_estimate_bytes"]),
         mib(row["plugin_budget_bytes"]),
@@ -467,6 +593,7 @@ def markdown(doc: dict) -> str:
                 ("max_num_batched_tokens", "max_num_batched_tokens "),
                 ("gpu_memory_utilization", "gpu_memory_utilization "),
                 ("num_capture_sizes", "capture sizes: "),
+                ("tensor_parallel_size", "tensor_parallel_size "),
             )
             if st.get(key) is not None
         ]
@@ -533,21 +660,25 @@ def main(argv: list[str] | None = None) -> int:
     print("=" * 72)
     if not runs:
         print(f"no run results in {outdir}")
-    for key in sorted(runs, key=lambda k: (SIZES.index(k[0]), CASES.index(k[1]), k[2])):
+    for key in sorted(runs, key=lambda k: (group_order(k[0]), CASES.index(k[1]), k[2])):
         print_run(key, runs[key])
     spec_eq = compare_tokens(runs)
 
+    sizes_here = sorted({k[0] for k in runs}, key=group_order)
     rows = []
-    for size in SIZES:
+    for size in sizes_here:
+        tp = split_group(size)[1]
         for case in CASES:
             has_none = (size, case, "none") in runs
             off_switch = "none" if has_none and (size, case, "off") not in runs else "off"
             off, on = runs.get((size, case, off_switch)), runs.get((size, case, "on"))
             if off is None and on is None:
                 continue
-            rows.append(build_row(size, case, off, on, off_switch))
+            if tp > 1:
+                rows.append(build_tp_row(size, case, off, on, off_switch, tp))
+            else:
+                rows.append(build_row(size, case, off, on, off_switch))
 
-    sizes_here = [s for s in SIZES if any(k[0] == s for k in runs)]
     doc: dict[str, Any] = {
         "schema": SCHEMA,
         "generated_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
@@ -573,9 +704,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(
                         f"carried over from {args.previous}: size {s} ({meta.get('measured_utc')})"
                     )
-    order = {s: i for i, s in enumerate(SIZES)}
-    doc["sizes"] = dict(sorted(doc["sizes"].items(), key=lambda kv: order.get(kv[0], 99)))
-    doc["rows"].sort(key=lambda r: (order.get(r["size"], 99), CASES.index(r["case"])))
+    doc["sizes"] = dict(sorted(doc["sizes"].items(), key=lambda kv: group_order(kv[0])))
+    doc["rows"].sort(key=lambda r: (group_order(r["size"]), CASES.index(r["case"])))
 
     print("-" * 72)
     print("plugin off vs on (MiB unless stated)")
