@@ -642,6 +642,34 @@ def test_worker_extension_fits_vllms_worker_class():
     assert Probe.e2e_rank_record is ext.e2e_rank_record
 
 
+@pytest.mark.vllm
+def test_worker_extension_hook_installs_on_vllms_classes(
+    worker_state, monkeypatch, restore_plugin_loggers
+):
+    """vLLM calls ``init_worker_extension`` with the worker once its device is
+    set: the wrappers go onto MRV2's runner and the GPU worker class (as at
+    TP=1), and a tap inherited through fork is replaced, not doubled."""
+    try:
+        from vllm.v1.worker import gpu_worker
+        from vllm.v1.worker.gpu import model_runner as mr2
+    except Exception as e:  # pragma: no cover - environment-dependent
+        pytest.skip(f"vLLM's worker modules not importable here: {e!r}")
+    calls = []
+    monkeypatch.setattr(e2e_worker, "install", lambda *a: calls.append(a))
+
+    class PluginLogTap(logging.Handler):  # what a forked worker inherits
+        def emit(self, record: logging.LogRecord) -> None:
+            pass
+
+    inherited = logging.getLogger(run_llm.PLUGIN_LOGGERS[0])
+    inherited.addHandler(PluginLogTap())
+    e2e_worker.E2EWorkerExtension.init_worker_extension(SimpleNamespace(rank=1))
+    assert calls == [(1, mr2.GPUModelRunner, gpu_worker.Worker, torch.cuda)]
+    for name in run_llm.PLUGIN_LOGGERS:
+        taps = [h for h in logging.getLogger(name).handlers if type(h).__name__ == "PluginLogTap"]
+        assert len(taps) == 1 and taps[0].sink is e2e_worker.STATE["plugin_log"], name
+
+
 def fake_tp_run(
     size: str, case: str, plugin: str, ranks: list[dict], tokens: list[list[int]]
 ) -> dict:

@@ -30,6 +30,7 @@ nothing here changes what vLLM computes.
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
 import sys
@@ -168,6 +169,12 @@ class E2EWorkerExtension:
         from vllm.v1.worker import gpu_worker
         from vllm.v1.worker.gpu import model_runner as mr2
 
+        # A forked worker inherits the launching process's tap (another class
+        # object, from its __main__); one tap per process prints each line once.
+        for name in run_llm.PLUGIN_LOGGERS:
+            lg = logging.getLogger(name)
+            for h in [h for h in lg.handlers if type(h).__name__ == "PluginLogTap"]:
+                lg.removeHandler(h)
         run_llm.tap_plugin_logs(STATE["plugin_log"])
         install(int(getattr(self, "rank", 0)), mr2.GPUModelRunner, gpu_worker.Worker, torch.cuda)
 
