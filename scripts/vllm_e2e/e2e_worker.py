@@ -70,12 +70,18 @@ class RankFigures(dict):
         self.persist()
 
     def persist(self) -> None:
+        """Best effort: a figure that cannot be written must not stop the engine
+        (it is still read back through ``collective_rpc``)."""
         if not self.path:
             return
         tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"rank": self.rank, "pid": os.getpid(), "mem": dict(self)}, f, default=str)
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "w") as f:
+                record = {"rank": self.rank, "pid": os.getpid(), "mem": dict(self)}
+                json.dump(record, f, default=str)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            print(f"e2e_worker: cannot write {self.path}: {e!r}", file=sys.stderr, flush=True)
 
 
 # Per process: one worker per process under the multiprocess executor.
