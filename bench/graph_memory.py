@@ -1,11 +1,12 @@
-"""Graph-memory estimate vs actual, side by side: disposable profile and upstream's heuristic.
+"""Core benchmark (toy model, no vLLM): the disposable profile's estimate vs the actual.
 
-For each owner (target, draft) of the toy speculative setup:
-  * profile:  vllm_specgraph.profile, every graph captured into a private pool;
-  * upstream: vLLM 0.33.0 MRV2's extrapolation, which captures the two largest
-    graphs and estimates first + (N - 1) * max(second, 1 MiB);
-  * actual:   the production capture afterwards, measured at driver level.
-Writes bench/results/graph_memory.{json,md} and prints one summary line.
+For each owner (target, draft) of the toy speculative setup in
+vllm_specgraph/demo/model.py:
+  * profile: vllm_specgraph.profile, every graph captured into a private pool;
+  * actual:  the production capture afterwards, measured at driver level.
+Writes bench/results/graph_memory.{json,md} and prints one summary line. The
+comparison with vLLM's own estimate is made on real vLLM, by
+scripts/device-vllm-e2e.sh (bench/results/vllm_graph_memory.md).
 
     python bench/graph_memory.py
 """
@@ -18,60 +19,33 @@ from pathlib import Path
 
 import torch
 
-from vllm_specgraph.demo.model import ToyGraphSet, build_toy_setup
-from vllm_specgraph.profile import OwnerGraphs, measure_captures, profile_graph_memory
+from vllm_specgraph.demo.model import build_toy_setup
+from vllm_specgraph.profile import measure_captures, profile_graph_memory
 
 MIB = 1 << 20
 RESULTS = Path(__file__).parent / "results"
 
 
-def _restricted(owner: str, graph_set: ToyGraphSet, sizes: list[int]) -> OwnerGraphs:
-    subset = ToyGraphSet(graph_set.model, sizes, graph_set.workspace, graph_set.channel_pool)
-    return OwnerGraphs(owner, subset.capture, subset.warmup, subset.release)
-
-
-def upstream_estimate(setup) -> dict[str, int]:
-    """vLLM 0.33.0's extrapolation, applied per owner (upstream counts no draft graphs)."""
-    estimates = {}
-    for owner, graph_set in (("target", setup.target), ("draft", setup.draft)):
-        sizes = graph_set.batch_sizes
-        one = profile_graph_memory([_restricted(owner, graph_set, sizes[:1])])
-        two = profile_graph_memory([_restricted(owner, graph_set, sizes[:2])])
-        first = one.total_driver_bytes
-        second = two.total_driver_bytes - first
-        estimates[owner] = first + (len(sizes) - 1) * max(second, MIB)
-    return estimates
-
-
-def main() -> int:
-    if not torch.cuda.is_available():
-        print("bench/graph_memory.py needs a CUDA GPU", file=sys.stderr)
-        return 2
+def measure() -> dict:
     torch.manual_seed(0)
     setup = build_toy_setup()
     report = profile_graph_memory(
         setup.owners(), channel_pools=[setup.channel_pool], workspace=setup.workspace
     )
-    upstream = upstream_estimate(setup)
     actual = measure_captures(
         setup.owners(), torch.cuda.graph_pool_handle(), [setup.channel_pool], []
     )
-    rows = []
-    for est, act in zip(report.owners, actual, strict=True):
-        rows.append(
-            {
-                "owner": est.owner,
-                "graphs": act.num_graphs,
-                "actual_mib": act.driver_bytes / MIB,
-                "profile_mib": est.driver_bytes / MIB,
-                "profile_error_pct": 100 * (est.driver_bytes - act.driver_bytes) / act.driver_bytes,
-                "upstream_mib": upstream[est.owner] / MIB,
-                "upstream_error_pct": 100
-                * (upstream[est.owner] - act.driver_bytes)
-                / act.driver_bytes,
-            }
-        )
-    result = {
+    rows = [
+        {
+            "owner": est.owner,
+            "graphs": act.num_graphs,
+            "actual_mib": act.driver_bytes / MIB,
+            "profile_mib": est.driver_bytes / MIB,
+            "profile_error_pct": 100 * (est.driver_bytes - act.driver_bytes) / act.driver_bytes,
+        }
+        for est, act in zip(report.owners, actual, strict=True)
+    ]
+    return {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "rows": rows,
@@ -80,33 +54,43 @@ def main() -> int:
         "profile_retained_allocator_mib": report.retained_allocator_bytes / MIB,
         "profile_seconds": report.wall_seconds,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "graph_memory.json").write_text(json.dumps(result, indent=2))
+
+
+def render(result: dict) -> list[str]:
     lines = [
-        f"Graph memory on {result['device']} (torch {result['torch']}), driver level, MiB",
+        f"Core benchmark (toy model, no vLLM): graph memory on {result['device']} "
+        f"(torch {result['torch']}), driver level, MiB",
         "",
-        "| owner | graphs | actual | profile | error | upstream heuristic | error |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| owner | graphs | actual | profile | error |",
+        "|---|---:|---:|---:|---:|",
     ]
-    for r in rows:
+    for r in result["rows"]:
         lines.append(
             f"| {r['owner']} | {r['graphs']} | {r['actual_mib']:.1f} | {r['profile_mib']:.1f} "
-            f"| {r['profile_error_pct']:+.2f}% | {r['upstream_mib']:.1f} "
-            f"| {r['upstream_error_pct']:+.1f}% |"
+            f"| {r['profile_error_pct']:+.2f}% |"
         )
     lines.append("")
     lines.append(
         f"Profile: one-time process cost {result['profile_one_time_mib']:.1f} MiB, retained "
         f"after teardown {result['profile_retained_mib']:.2f} MiB (allocator "
-        f"{result['profile_retained_allocator_mib']:.2f} MiB), {report.wall_seconds:.2f} s."
+        f"{result['profile_retained_allocator_mib']:.2f} MiB), "
+        f"{result['profile_seconds']:.2f} s."
     )
+    return lines
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("bench/graph_memory.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    result = measure()
+    lines = render(result)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "graph_memory.json").write_text(json.dumps(result, indent=2))
     (RESULTS / "graph_memory.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    worst = max(abs(r["profile_error_pct"]) for r in rows)
-    worst_upstream = max(abs(r["upstream_error_pct"]) for r in rows)
-    print(
-        f"graph_memory: profile worst error {worst:.2f}%, upstream heuristic {worst_upstream:.1f}%"
-    )
+    worst = max(abs(r["profile_error_pct"]) for r in result["rows"])
+    print(f"graph_memory: profile worst error {worst:.2f}%")
     return 0
 
 
