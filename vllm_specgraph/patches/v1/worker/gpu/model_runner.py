@@ -164,17 +164,8 @@ def _wrap_init(original: Callable) -> Callable:
     return __init__
 
 
-def _wrap_draft_call(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def in_draft_lane(*args, **kwargs):
-        with use_lane(DRAFT_LANE):
-            return original(*args, **kwargs)
-
-    return in_draft_lane
-
-
 def _wrap_init_speculator(original: Callable) -> Callable:
-    build_in_draft_lane = _wrap_draft_call(original)
+    build_in_draft_lane = _in_draft_lane(original, original.__name__)
 
     @functools.wraps(original)
     def init_speculator(*args, **kwargs):
@@ -259,7 +250,7 @@ def install(patches: PatchSet, model_runner: ModuleType) -> None:
     patches.replace(
         model_runner,
         "refresh_quantized_lm_heads",
-        _wrap_draft_call(model_runner.refresh_quantized_lm_heads),
+        _in_draft_lane(model_runner.refresh_quantized_lm_heads, "refresh_quantized_lm_heads"),
     )
     patches.replace(model_runner, "use_workspace_lane", use_lane, parameters=("lane",))
     patches.replace(
