@@ -153,13 +153,15 @@ def pct(err: float | None, base: float | None) -> float | None:
     return 100.0 * err / base
 
 
-def plugin_kept(report: Any) -> tuple[float | None, float | None]:
-    """(graph bytes, bytes budgeted as kept by the process) from the plugin's report."""
+def plugin_kept(report: Any) -> tuple[float | None, float | None, float]:
+    """(graph bytes, bytes budgeted as kept by the process, of which one-time) from
+    the plugin's report."""
     estimate = (report or {}).get("estimate") if isinstance(report, dict) else None
     if not estimate:
-        return None, None
+        return None, None, 0
     graphs = sum(o["driver_bytes"] for o in estimate["owners"])
-    return graphs, estimate["one_time_bytes"] + max(estimate["retained_bytes"], 0)
+    one_time = estimate["one_time_bytes"]
+    return graphs, one_time + max(estimate["retained_bytes"], 0), one_time
 
 
 def rank_view(r: Run | None, index: int) -> Run | None:
@@ -228,7 +230,7 @@ def build_row(size: str, case: str, off: Run | None, on: Run | None, off_switch:
     # The plugin returns a budget: graph bytes plus what the profile left with the
     # process (one-time state such as lazily loaded kernels). Its graph estimate is
     # what compares with the production capture.
-    graphs_on, kept_on = plugin_kept((on or {}).get("plugin_report"))
+    graphs_on, kept_on, one_time_on = plugin_kept((on or {}).get("plugin_report"))
     est_on = graphs_on if graphs_on is not None else budget_on
     act_off = mem_of(off, "capture_actual_bytes")
     act_on = mem_of(on, "capture_actual_bytes")
@@ -291,10 +293,7 @@ def build_row(size: str, case: str, off: Run | None, on: Run | None, off_switch:
     if row["retained_on_bytes"] is not None:
         # One-time process state that a second pass proved it would not take again
         # is budgeted, not retained.
-        one_time = (
-            ((on or {}).get("plugin_report") or {}).get("estimate", {}).get("one_time_bytes", 0)
-        )
-        row["retained_on_beyond_one_time_bytes"] = row["retained_on_bytes"] - one_time
+        row["retained_on_beyond_one_time_bytes"] = row["retained_on_bytes"] - one_time_on
         checks["retained"] = row["retained_on_beyond_one_time_bytes"] <= RETAINED_MAX_BYTES
     row["checks"] = checks
     row["pass"] = all(v is True for v in checks.values())
