@@ -288,6 +288,23 @@ def test_disposable_graph_pass_order_redirect_exits_after_destroy_before_release
     assert not workspace.is_locked(), "the pass restores the lock state"
 
 
+@pytest.mark.parametrize("collect_garbage", [True, False])
+def test_disposable_graph_pass_collects_garbage_unless_a_destroy_step_does(
+    cuda, monkeypatch, collect_garbage
+):
+    import gc
+
+    from vllm_specgraph.profile import disposable_graph_pass
+
+    events, _ = cuda
+    monkeypatch.setattr(gc, "collect", lambda *a: events.append(("gc",)))
+    with disposable_graph_pass(collect_garbage=collect_garbage) as disposable:
+        disposable.on_destroy(lambda: events.append(("destroy",)))
+    release = events[events.index(("destroy",)) + 1 :]
+    expected = [("sync",), ("empty_cache",)]
+    assert release == ([("gc",)] if collect_garbage else []) + expected
+
+
 def test_disposable_graph_pass_failing_destroy_step_still_restores_then_raises(cuda):
     from vllm_specgraph.profile import disposable_graph_pass
 

@@ -144,6 +144,11 @@ def settled_free_bytes() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
+def _release_cached_blocks() -> None:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
 def release_capture_stream_workspaces() -> None:
     """Free the cuBLAS workspaces torch keeps per (handle, stream), but the current stream's.
 
@@ -209,6 +214,7 @@ def disposable_graph_pass(
     channel_pools: Sequence[ChannelPool] = (),
     workspace: LaneWorkspace | None = None,
     redirect_pools: PoolRedirect | None = None,
+    collect_garbage: bool = True,
 ) -> Iterator[DisposablePass]:
     """Capture into a private pool that is given back whole when the block exits.
 
@@ -216,9 +222,13 @@ def disposable_graph_pass(
     pool, enter ``redirect_pools(pool)``. On exit, on success and on error alike:
     synchronise and run the destroy steps while the pool is still owned, exit
     the redirect (production pools back), roll the lanes back (growth since may
-    live in the pool), release the pool (empty the cache), roll the channels
-    back (their contract: every graph using them is destroyed and synchronised).
-    An error in the block is re-raised with any teardown failures as notes.
+    live in the pool), collect garbage (reference cycles may still hold pool
+    tensors), release the pool (empty the cache), roll the channels back (their
+    contract: every graph using them is destroyed and synchronised). An error
+    in the block is re-raised with any teardown failures as notes. Pass
+    ``collect_garbage=False`` when a destroy step collects after the last
+    reference into the pool is dropped: a full collection takes a fraction of a
+    second in a large process.
 
     *Requires*: no capture is active. *Guarantees*: channels, lanes (buffers and
     lock state) and the redirected pools are left as they were found.
@@ -228,7 +238,10 @@ def disposable_graph_pass(
     if workspace is not None:
         lanes_checkpoint = workspace.checkpoint()
         restore.append(lambda: workspace.rollback(lanes_checkpoint))
-    restore += [settled_free_bytes, lambda: rollback_channel_pools(channels_checkpoint)]
+    restore += [
+        settled_free_bytes if collect_garbage else _release_cached_blocks,
+        lambda: rollback_channel_pools(channels_checkpoint),
+    ]
     try:
         disposable = DisposablePass(torch.cuda.graph_pool_handle())
         with redirect_pools(disposable.pool) if redirect_pools else nullcontext():

@@ -13,8 +13,10 @@ This patch changes: ``profile_cudagraph_memory`` runs ``capture_model`` over
 every graph production will capture, inside the core's
 :func:`~vllm_specgraph.profile.disposable_graph_pass`, and takes vLLM's own
 measure of it; the draft's share is read around the speculator's capture. A
-pass that leaves memory taken met one-time process state: the profile then
-measures again, and returns the graphs plus what the process kept.
+pass that leaves memory taken met one-time process state: the budget holds it,
+and with a speculator the profile measures again to split the graphs per owner.
+One pass costs about one production capture: it collects garbage where vLLM's
+own capture and teardown do, and nowhere else.
 Teardown, on success and on error: synchronise, destroy every graph (wrappers,
 speculator managers through their own ``init_cudagraph_manager``, the runner's
 profiling state) while the private pool is still the global one, free the
@@ -31,11 +33,14 @@ lost to the KV cache.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +53,6 @@ from vllm_specgraph.profile import (
     OwnerMemory,
     disposable_graph_pass,
     release_capture_stream_workspaces,
-    settled_free_bytes,
 )
 
 if TYPE_CHECKING:
@@ -90,11 +94,13 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> tuple[GraphMemoryReport, d
     Returns the report and the seconds each phase took. When the first pass
     leaves memory taken (more than :data:`ONE_TIME_THRESHOLD_BYTES`), it met
     process state for the first time: kernel modules loaded on first launch,
-    say, which production, after vLLM's warm-up, will not load again. The
-    profile then measures a second time; the first pass's remainder is
-    reported as ``one_time_bytes``. The KV cache is sized after the profile,
-    so the budget (:func:`budget_bytes`) counts it and whatever the last pass
-    left taken (``retained_bytes``).
+    say, which production, after vLLM's warm-up, will not load again. That
+    remainder is reported as ``one_time_bytes``. When one owner's capture took
+    all the memory (no speculator, or one without graphs), it comes out of that
+    owner's figure; otherwise the profile measures a second time, with the
+    state in place, to split the graphs per owner. The KV cache is sized
+    after the profile, so the budget (:func:`budget_bytes`) counts the one-time
+    bytes and whatever the last pass left taken (``retained_bytes``).
 
     *Requires*: called before the KV cache exists and before any graph was
     captured (``Worker.determine_available_memory``); no capture is active.
@@ -114,16 +120,34 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> tuple[GraphMemoryReport, d
     clock = _PhaseClock()
     # No graph exists yet, so nothing can still point into a retired buffer.
     workspace.release_retired()
+    # vLLM's memory profiling has just collected garbage and emptied the cache:
+    # what is left to settle is work in flight and earlier streams' cuBLAS workspaces.
     torch.cuda.synchronize()
     release_capture_stream_workspaces()
-    free_start = settled_free_bytes()
+    torch.cuda.empty_cache()
+    free_start = torch.cuda.mem_get_info()[0]
     clock.lap("settle")
     owners, free_after = _measured_pass(runner, workspace, clock)
     one_time, retained = 0, free_start - free_after
     if retained > ONE_TIME_THRESHOLD_BYTES:
-        one_time = retained
-        owners, free_end = _measured_pass(runner, workspace, clock, suffix=" again")
-        retained = free_after - free_end
+        one_time, retained = retained, 0
+        takers = [o for o in owners if o.driver_bytes > ONE_TIME_THRESHOLD_BYTES]
+        if len(takers) == 1 and takers[0].driver_bytes >= one_time:
+            # Only one owner's capture took memory: the state is part of what it took.
+            owners = tuple(
+                replace(o, driver_bytes=o.driver_bytes - one_time) if o is takers[0] else o
+                for o in owners
+            )
+        else:
+            # Which owner's capture made the state is unknown: measure again with it in place.
+            logger.info(
+                "vllm-specgraph: the first profiling pass took %s and left %.1f MiB with the "
+                "process; measuring again to split graphs from that state per owner",
+                _format_owners(owners),
+                one_time / _MIB,
+            )
+            owners, free_end = _measured_pass(runner, workspace, clock, suffix=" again")
+            retained = free_after - free_end
     report = GraphMemoryReport(
         owners=owners,
         one_time_bytes=one_time,
@@ -156,8 +180,10 @@ def _measured_pass(
         compilation_counter.num_gpu_runner_capture_triggers,
     )
     try:
+        # vLLM's teardown (the first destroy step) collects garbage once the
+        # graphs are dropped; the pass need not collect again.
         with disposable_graph_pass(
-            workspace=workspace, redirect_pools=_pools_redirected
+            workspace=workspace, redirect_pools=_pools_redirected, collect_garbage=False
         ) as disposable:
             disposable.on_destroy(lambda: _destroy_profiling_graphs(runner))
             disposable.on_destroy(release_capture_stream_workspaces)
@@ -166,7 +192,11 @@ def _measured_pass(
             clock.lap("minimal KV cache" + suffix)
             # Production's own path, adaptive-verification runs and lock included
             # (the pass restores the lock): what it measures is what production does.
-            with capture_outside_cumem_pool(), metering(CaptureMeter()) as meter:
+            with (
+                capture_outside_cumem_pool(),
+                _capture_without_closing_collection(),
+                metering(CaptureMeter()) as meter,
+            ):
                 total = int(runner.capture_model(profile_only=False))
             num_graphs = compilation_counter.num_cudagraph_captured - counters[0]
             clock.lap("capture" + suffix)
@@ -179,6 +209,49 @@ def _measured_pass(
     free_after = torch.cuda.mem_get_info()[0]
     clock.lap("teardown" + suffix)
     return meter.owners(total, num_graphs), free_after
+
+
+@contextmanager
+def _capture_without_closing_collection() -> Iterator[None]:
+    """Run ``capture_model`` under vLLM's capture-time gc freeze, minus its closing collection.
+
+    The pass's teardown collects once the graphs are dropped, when a collection
+    can free pool memory; one in between only costs time (a fraction of a
+    second in a served model's process).
+    """
+    from vllm import envs
+
+    # Looked up, not imported: the runner being profiled has imported it already.
+    model_runner = sys.modules["vllm.v1.worker.gpu.model_runner"]
+
+    @contextmanager
+    def frozen_without_closing_collection() -> Iterator[None]:
+        enabled = gc.isenabled()
+        gc.collect()
+        freeze = not envs.VLLM_ENABLE_CUDAGRAPH_GC
+        if freeze:
+            gc.freeze()
+            gc.disable()
+        try:
+            yield
+        finally:
+            if freeze:
+                gc.unfreeze()
+                if enabled:
+                    gc.enable()
+
+    production = model_runner.freeze_gc_for_cudagraph_capture
+    model_runner.freeze_gc_for_cudagraph_capture = frozen_without_closing_collection
+    try:
+        yield
+    finally:
+        model_runner.freeze_gc_for_cudagraph_capture = production
+
+
+def _format_owners(owners: tuple[OwnerMemory, ...]) -> str:
+    return ", ".join(
+        f"{o.owner} {o.driver_bytes / _MIB:.1f} MiB ({o.num_graphs} graphs)" for o in owners
+    )
 
 
 class _PhaseClock:
@@ -274,10 +347,7 @@ def _profile_cudagraph_memory(upstream: Callable[[Any], int]) -> Callable[[Any],
             "vllm-specgraph: CUDA graph memory profile: %s; graphs %.1f MiB in %d graphs; "
             "kept by the process since: one-time %.2f MiB, left by the last pass %.2f MiB; "
             "budget %.1f MiB; %.2f s (%s)",
-            ", ".join(
-                f"{o.owner} {o.driver_bytes / _MIB:.1f} MiB ({o.num_graphs} graphs)"
-                for o in report.owners
-            ),
+            _format_owners(report.owners),
             report.total_driver_bytes / _MIB,
             sum(o.num_graphs for o in report.owners),
             report.one_time_bytes / _MIB,
