@@ -33,6 +33,8 @@
 #   T_TP_EXTRA=30                  added to every run's limit at TP > 1 (worker
 #                                  start-up, process groups)
 #   CUSTOM_AR=0                    1: at TP > 1, leave vLLM's custom all-reduce on
+#   E2E_WORK=/tmp/vllm-e2e         where vLLM is unpacked; give each of two scripts
+#                                  run at once (say, one per GPU) its own
 set -uo pipefail
 
 # Exported, so every process below inherits them, vLLM's worker processes at
@@ -42,7 +44,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 OUTDIR="${OUT:-/tmp/vllm-e2e-out}"
-W=/tmp/vllm-e2e
+W="${E2E_WORK:-/tmp/vllm-e2e}"
 SIZES="${SIZES:-tiny}"
 CASES="${CASES:-base draft ngram eagle}"
 PLUGIN="${PLUGIN:-off on}"
