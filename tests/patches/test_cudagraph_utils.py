@@ -351,18 +351,6 @@ def test_profile_first_pass_keeps_memory_measures_again_and_budgets_it(vllm_env)
     assert sum(1 for e in env.events if e[0] == "capture_model") == 2
 
 
-def test_profile_of_one_owner_takes_its_kept_memory_out_of_one_pass(vllm_env):
-    env = vllm_env
-    runner = _runner(env, target_one_time_bytes=4 * MIB)
-    runner.speculator = None
-    budget = env.cudagraph_utils.profile_cudagraph_memory(runner)
-    report = runner.specgraph_profile.estimate
-    assert [(o.owner, o.driver_bytes) for o in report.owners] == [("target", 30 * MIB)]
-    assert (report.one_time_bytes, report.retained_bytes) == (4 * MIB, 0)
-    assert budget == 34 * MIB
-    assert sum(1 for e in env.events if e[0] == "capture_model") == 1
-
-
 def test_profile_without_kept_memory_captures_once(vllm_env):
     env = vllm_env
     env.cudagraph_utils.profile_cudagraph_memory(_runner(env))
