@@ -9,6 +9,8 @@ test_allreduce_multiprocess.py.
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -34,6 +36,15 @@ pytestmark = pytest.mark.skipif(
 
 BF16, FP32 = torch.bfloat16, torch.float32
 _CONFIG = AllReduceConfig(channel_bytes=4096, one_shot_max_bytes=1024)
+
+
+def test_allreduce_imports_torch_only_never_vllm():
+    code = (
+        "import sys, vllm_specgraph.allreduce, vllm_specgraph.symm_mem_channel; "
+        "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout
 
 
 # --- select_algorithm: pure --------------------------------------------------------------
