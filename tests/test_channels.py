@@ -361,6 +361,17 @@ def test_current_eager_creation_while_stream_capturing_raises(monkeypatch):
     assert channel_pool.num_channels == 0
 
 
+def test_current_existing_eager_channel_refused_to_capturing_stream(monkeypatch):
+    channel_pool, _ = _make_channel_pool()
+    eager = channel_pool.current()
+    _fake_capturing_stream(monkeypatch)  # a graph captured without entering channel_pool.capture()
+    fix = r"enter channel_pool\.capture\(\) before torch\.cuda\.graph"
+    with pytest.raises(RuntimeError, match=fix):
+        channel_pool.current()
+    monkeypatch.undo()
+    assert channel_pool.current() is eager and channel_pool.num_channels == 1
+
+
 def test_capture_nested_while_stream_capturing_reuses_without_creating(monkeypatch):
     channel_pool, _ = _make_channel_pool()
     with channel_pool.capture(owner="target") as outer:

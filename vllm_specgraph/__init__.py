@@ -1,6 +1,6 @@
 """vllm-specgraph: one owner for every CUDA-graph resource in speculative decoding.
 
-The torch-only core (``lanes``, ``channels``, ``capture``, ``profile``) never
+The torch-only core (``lanes``, ``channels``, ``capture``, ``profile``, ``allreduce``) never
 imports vLLM. :func:`register` is the ``vllm.general_plugins`` entry point
 that vLLM calls once per process (API server, engine core, every worker); it
 arms the patch set in :mod:`vllm_specgraph.patches`.

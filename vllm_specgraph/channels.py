@@ -260,12 +260,20 @@ class ChannelPool:
     def current(self) -> Channel:
         """Channel of the active capture, else the eager channel (created on first use).
 
-        Legal during capture only inside :meth:`capture`; creating the eager channel while
-        the stream captures raises RuntimeError.
+        Legal during capture only inside :meth:`capture`: a stream that captures outside
+        every capture block of this pool (in this thread or task) gets RuntimeError, also
+        when the eager channel exists, since the graph would bake it in and share it with
+        eager calls.
         """
         stack = self._stack.get()
         if stack:
             return stack[-1]
+        if _stream_is_capturing():
+            raise RuntimeError(
+                f"ChannelPool {self._name!r}: current() called while the current stream is "
+                f"capturing a CUDA graph outside a capture() block of this channel pool; the "
+                f"graph would bake in the eager channel. {_FIX_CAPTURE_ORDER}"
+            )
         with self._lock:
             if self._eager is None:
                 self._eager = self._create("eager")
