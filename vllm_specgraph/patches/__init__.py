@@ -60,6 +60,12 @@ PATCHES: tuple[Patch, ...] = (
         "the workspace frees its retired buffers once elastic EP has dropped every graph",
     ),
     Patch(
+        "vllm.distributed.device_communicators.custom_all_reduce",
+        ("CustomAllreduce.capture", "CustomAllreduce._all_reduce_chunk"),
+        "graphs captured by the disposable profile leave no graph-buffer registration "
+        "(no rank-data slot, no peer IPC mapping); every rank takes the same branch",
+    ),
+    Patch(
         "vllm.v1.worker.gpu.model_runner",
         (
             "GPUModelRunner.__init__",
