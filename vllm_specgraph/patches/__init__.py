@@ -66,6 +66,16 @@ PATCHES: tuple[Patch, ...] = (
         "(no rank-data slot, no peer IPC mapping); every rank takes the same branch",
     ),
     Patch(
+        "vllm.v1.attention.ops.dcp",
+        (
+            "get_direct_dcp_a2a_workspace",
+            "get_direct_dcp_q_gather_workspace",
+            "get_direct_dcp_kv_gather_workspace",
+        ),
+        "one direct DCP workspace per owner lane (target, draft) instead of one shared; "
+        "those the disposable profile made are let go with it",
+    ),
+    Patch(
         "vllm.v1.worker.gpu.model_runner",
         (
             "GPUModelRunner.__init__",
