@@ -66,6 +66,12 @@ PATCHES: tuple[Patch, ...] = (
         "(no rank-data slot, no peer IPC mapping); every rank takes the same branch",
     ),
     Patch(
+        "vllm.distributed.device_communicators.flashinfer_pcie_ipc_all_reduce",
+        ("FlashInferPcieIpcAllReduce.setup",),
+        "the profile budgets the PCIe IPC workspace that kernel warm-up makes after the "
+        "KV cache is sized; set-up logs what it took against that budget",
+    ),
+    Patch(
         "vllm.v1.attention.ops.dcp",
         (
             "get_direct_dcp_a2a_workspace",
