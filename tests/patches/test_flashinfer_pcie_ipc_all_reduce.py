@@ -195,3 +195,25 @@ def test_setup_logs_what_it_took_against_the_budget(env, caplog):
     assert f"budgeted {budget / MIB:.1f} MiB" in line
     assert f"took {slab / MIB:.1f} MiB outside the caching allocator" in line
     assert "left 4.0 MiB cached" in line
+
+
+def test_profile_budget_adds_the_workspace_to_the_graphs(env, install_patch, monkeypatch):
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory
+
+    cudagraph_utils = install_patch("vllm.v1.worker.gpu.cudagraph_utils")
+    profile_patch = sys.modules["vllm_specgraph.patches.v1.worker.gpu.cudagraph_utils"]
+    report = GraphMemoryReport(
+        owners=(OwnerMemory("target", 4, 100 * MIB, 0),),
+        one_time_bytes=6 * MIB,
+        transient_peak_bytes=0,
+        retained_bytes=0,
+        retained_allocator_bytes=0,
+        wall_seconds=1.0,
+    )
+    monkeypatch.setattr(profile_patch, "exact_cudagraph_memory", lambda runner: (report, {}))
+    env.runner.compilation_config = SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL)
+    workspace = env.patch.pcie_ipc_workspace_bytes(env.runner.vllm_config)
+    budget = cudagraph_utils.profile_cudagraph_memory(env.runner)
+    assert budget == profile_patch.budget_bytes(report) + workspace == 106 * MIB + workspace
