@@ -324,3 +324,18 @@ def test_disposable_graph_pass_failing_destroy_step_still_restores_then_raises(c
         disposable.on_destroy(lambda: events.append(("destroy", "after_broken")))
     assert ("destroy", "after_broken") in events
     assert channels.num_channels == 0, "channels made in the pass are rolled back"
+
+
+def test_current_disposable_pass_is_the_pass_in_its_block_only_also_after_an_error(cuda):
+    from vllm_specgraph.profile import current_disposable_pass, disposable_graph_pass
+
+    assert current_disposable_pass() is None
+    seen = []
+    with disposable_graph_pass() as disposable:
+        seen.append(current_disposable_pass())
+        disposable.on_destroy(lambda: seen.append(current_disposable_pass()))
+    assert seen == [disposable, disposable], "destroy steps still run in the pass"
+    assert current_disposable_pass() is None
+    with pytest.raises(KeyError, match="capture failed"), disposable_graph_pass():
+        raise KeyError("capture failed")
+    assert current_disposable_pass() is None, "reset on error too"

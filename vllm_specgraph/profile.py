@@ -28,6 +28,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 
 import torch
@@ -45,6 +46,7 @@ __all__ = [
     "GraphMemoryReport",
     "OwnerGraphs",
     "OwnerMemory",
+    "current_disposable_pass",
     "disposable_graph_pass",
     "measure_captures",
     "profile_graph_memory",
@@ -208,6 +210,31 @@ class DisposablePass:
         _tear_down(steps, error)
 
 
+_active_pass: ContextVar[DisposablePass | None] = ContextVar(
+    "vllm_specgraph_disposable_pass", default=None
+)
+
+
+def current_disposable_pass() -> DisposablePass | None:
+    """The disposable pass whose block is running in this thread or task, else None.
+
+    Communicators ask it to tell a throwaway capture from a production one, and
+    register with :meth:`DisposablePass.on_destroy` what they made for it. Set
+    only by :func:`disposable_graph_pass`, for its block, and reset on exit,
+    also on error. Legal during capture.
+    """
+    return _active_pass.get()
+
+
+@contextmanager
+def _marked_active(disposable: DisposablePass) -> Iterator[None]:
+    token = _active_pass.set(disposable)
+    try:
+        yield
+    finally:
+        _active_pass.reset(token)
+
+
 @contextmanager
 def disposable_graph_pass(
     *,
@@ -219,7 +246,8 @@ def disposable_graph_pass(
     """Capture into a private pool that is given back whole when the block exits.
 
     On entry: checkpoint ``channel_pools`` and ``workspace``, make a private
-    pool, enter ``redirect_pools(pool)``. On exit, on success and on error alike:
+    pool, make the pass :func:`current_disposable_pass`, enter
+    ``redirect_pools(pool)``. On exit, on success and on error alike:
     synchronise and run the destroy steps while the pool is still owned, exit
     the redirect (production pools back), roll the lanes back (growth since may
     live in the pool), collect garbage (reference cycles may still hold pool
@@ -244,7 +272,10 @@ def disposable_graph_pass(
     ]
     try:
         disposable = DisposablePass(torch.cuda.graph_pool_handle())
-        with redirect_pools(disposable.pool) if redirect_pools else nullcontext():
+        with (
+            _marked_active(disposable),
+            redirect_pools(disposable.pool) if redirect_pools else nullcontext(),
+        ):
             try:
                 yield disposable
             except BaseException as exc:

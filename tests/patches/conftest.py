@@ -1,4 +1,8 @@
-"""Install one patch module onto the real vLLM 0.33.0 module for a test, and undo it after."""
+"""Fixtures for the patch tests.
+
+``install_patch`` installs one patch module onto the real vLLM 0.33.0 module for a
+test and undoes it after; ``disposable_pass`` is the core's disposable pass.
+"""
 
 import importlib
 from collections.abc import Callable
@@ -25,3 +29,24 @@ def install_patch() -> Callable[[str], object]:
 
     yield install
     patches.undo()
+
+
+@pytest.fixture
+def disposable_pass(monkeypatch) -> Callable[[], object]:
+    """The core's ``disposable_graph_pass``, as the profile patch enters it.
+
+    The CUDA calls the pass makes (pool handle, synchronise, cache release, free
+    memory) are faked: this machine has no GPU.
+    """
+    import torch
+
+    from vllm_specgraph.profile import disposable_graph_pass
+
+    for name, fn in {
+        "graph_pool_handle": lambda: (0, 1),
+        "synchronize": lambda *args: None,
+        "empty_cache": lambda: None,
+        "mem_get_info": lambda *args: (1 << 30, 2 << 30),
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    return disposable_graph_pass

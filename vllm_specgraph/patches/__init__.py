@@ -60,6 +60,28 @@ PATCHES: tuple[Patch, ...] = (
         "the workspace frees its retired buffers once elastic EP has dropped every graph",
     ),
     Patch(
+        "vllm.distributed.device_communicators.custom_all_reduce",
+        ("CustomAllreduce.capture", "CustomAllreduce._all_reduce_chunk"),
+        "graphs captured by the disposable profile leave no graph-buffer registration "
+        "(no rank-data slot, no peer IPC mapping); every rank takes the same branch",
+    ),
+    Patch(
+        "vllm.distributed.device_communicators.flashinfer_pcie_ipc_all_reduce",
+        ("FlashInferPcieIpcAllReduce.setup",),
+        "the profile budgets the PCIe IPC workspace that kernel warm-up makes after the "
+        "KV cache is sized; set-up logs what it took against that budget",
+    ),
+    Patch(
+        "vllm.v1.attention.ops.dcp",
+        (
+            "get_direct_dcp_a2a_workspace",
+            "get_direct_dcp_q_gather_workspace",
+            "get_direct_dcp_kv_gather_workspace",
+        ),
+        "one direct DCP workspace per owner lane (target, draft) instead of one shared; "
+        "those the disposable profile made are let go with it",
+    ),
+    Patch(
         "vllm.v1.worker.gpu.model_runner",
         (
             "GPUModelRunner.__init__",

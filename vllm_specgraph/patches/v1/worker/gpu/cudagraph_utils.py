@@ -348,7 +348,12 @@ def _profile_cudagraph_memory(upstream: Callable[[Any], int]) -> Callable[[Any],
             report.wall_seconds,
             ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in phases.items()),
         )
-        return budget_bytes(report)
+        from vllm_specgraph.patches.distributed.device_communicators import (
+            flashinfer_pcie_ipc_all_reduce as pcie_ipc,
+        )
+
+        # Communicator workspaces vLLM makes after sizing the KV cache come out of it too.
+        return budget_bytes(report) + pcie_ipc.communicator_bytes_after_kv_cache(runner)
 
     profile_cudagraph_memory.__specgraph__ = True
     return profile_cudagraph_memory
