@@ -100,6 +100,16 @@ def test_capture_nested_reuses_enclosing_channel():
     assert channel_pool.num_channels == 1
 
 
+def test_in_capture_true_only_inside_a_capture_block_of_this_pool():
+    channel_pool, _ = _make_channel_pool()
+    other, _ = _make_channel_pool("other")
+    assert not channel_pool.in_capture()
+    with channel_pool.capture(owner="target"):
+        assert channel_pool.in_capture()
+        assert not other.in_capture()
+    assert not channel_pool.in_capture()
+
+
 def test_current_outside_capture_creates_eager_channel_lazily():
     channel_pool, events = _make_channel_pool()
     assert channel_pool.num_channels == 0 and events == []

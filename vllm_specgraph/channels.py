@@ -257,6 +257,10 @@ class ChannelPool:
             with self._lock:
                 self._num_active_captures -= 1
 
+    def in_capture(self) -> bool:
+        """Whether this thread or task is inside a :meth:`capture` block of this pool."""
+        return bool(self._stack.get())
+
     def current(self) -> Channel:
         """Channel of the active capture, else the eager channel (created on first use).
 

@@ -239,6 +239,43 @@ def test_profile_step_order(vllm_env):
     ]
 
 
+def test_profile_rolls_back_the_channels_its_captures_made_on_the_groups_all_reduce(
+    vllm_env, monkeypatch
+):
+    from vllm.distributed import parallel_state
+
+    from vllm_specgraph.channels import ChannelPool
+    from vllm_specgraph.device_channel import device_channel_factory
+
+    env = vllm_env
+    channel_pool = ChannelPool("tp", device_channel_factory(64, "cpu"))
+    eager = channel_pool.current()
+    group = SimpleNamespace(
+        device_communicator=SimpleNamespace(
+            specgraph_all_reduce=SimpleNamespace(channel_pool=channel_pool)
+        )
+    )
+    # A communicator shared by two groups is checkpointed once (rolling it back twice
+    # would refuse the second time).
+    monkeypatch.setattr(parallel_state, "_TP", group)
+    monkeypatch.setattr(parallel_state, "_DCP", group)
+    runner = _runner(env)
+    made = []
+    capture_model = runner.capture_model
+
+    def capture_model_through_graph_capture(*, profile_only=False):
+        # What the parallel_state patch does around each graph manager's capture.
+        with channel_pool.capture(owner="target") as channel:
+            made.append(channel)
+        return capture_model(profile_only=profile_only)
+
+    runner.capture_model = capture_model_through_graph_capture
+    env.cudagraph_utils.profile_cudagraph_memory(runner)
+    assert made and channel_pool.channels == (eager,), "the profile's channels are closed"
+    with pytest.raises(RuntimeError, match="closed"):
+        _ = made[0].buffer
+
+
 def test_profile_collects_garbage_only_where_vllm_does(vllm_env, monkeypatch):
     env = vllm_env
     monkeypatch.setattr(gc, "collect", lambda *a: env.events.append(("gc_collect",)))

@@ -60,6 +60,18 @@ PATCHES: tuple[Patch, ...] = (
         "the workspace frees its retired buffers once elastic EP has dropped every graph",
     ),
     Patch(
+        "vllm.distributed.parallel_state",
+        ("GroupCoordinator.graph_capture",),
+        "each graph capture (target, draft, profiling) binds a channel of its own of the "
+        "peer all-reduce, made before the capture begins",
+    ),
+    Patch(
+        "vllm.distributed.device_communicators.cuda_communicator",
+        ("CudaCommunicator._log_all_reduce_backend_selection", "CudaCommunicator.all_reduce"),
+        "the TP group's all-reduce is the core's peer all-reduce (no multicast, a channel "
+        "per capture) where vLLM has no fast path, or always on request",
+    ),
+    Patch(
         "vllm.distributed.device_communicators.custom_all_reduce",
         ("CustomAllreduce.capture", "CustomAllreduce._all_reduce_chunk"),
         "graphs captured by the disposable profile leave no graph-buffer registration "

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_specgraph.channels import ChannelPool
 from vllm_specgraph.lanes import LaneWorkspace
 from vllm_specgraph.patches._patching import PatchSet
 from vllm_specgraph.profile import (
@@ -175,7 +176,10 @@ def _measured_pass(
         # vLLM's teardown (the first destroy step) collects garbage once the
         # graphs are dropped; the pass need not collect again.
         with disposable_graph_pass(
-            workspace=workspace, redirect_pools=_pools_redirected, collect_garbage=False
+            channel_pools=_group_channel_pools(),
+            workspace=workspace,
+            redirect_pools=_pools_redirected,
+            collect_garbage=False,
         ) as disposable:
             disposable.on_destroy(lambda: _destroy_profiling_graphs(runner))
             disposable.on_destroy(release_capture_stream_workspaces)
@@ -201,6 +205,23 @@ def _measured_pass(
     free_after = torch.cuda.mem_get_info()[0]
     clock.lap("teardown" + suffix)
     return meter.owners(total, num_graphs), free_after
+
+
+def _group_channel_pools() -> list[ChannelPool]:
+    """The channel pools of the TP, DCP and PP groups' peer all-reduce, in that order.
+
+    A communicator two groups share is listed twice and checkpointed once; the
+    pass rolls them back in reverse order, on every rank of each group.
+    """
+    from vllm.distributed import parallel_state
+
+    channel_pools = []
+    for name in ("_TP", "_DCP", "_PP"):
+        communicator = getattr(getattr(parallel_state, name, None), "device_communicator", None)
+        peer = getattr(communicator, "specgraph_all_reduce", None)
+        if peer is not None:
+            channel_pools.append(peer.channel_pool)
+    return channel_pools
 
 
 @contextmanager

@@ -1,0 +1,172 @@
+"""The peer all-reduce in vLLM 0.33.0's ``CudaCommunicator``, on the CPU.
+
+vLLM's own ``_log_all_reduce_backend_selection`` and ``all_reduce`` run for real.
+Faked, because they need GPUs and several ranks: the communicator is built with
+``__new__`` and given the attributes vLLM's ``__init__`` sets (its backends are
+``None`` or stand-ins with a ``disabled`` flag), its group is one gloo rank, the
+peer all-reduce's channels are CPU tensors and its symmetric-memory kernels a
+copy (one rank's sum is its own input).
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import vllm_specgraph.allreduce as allreduce_module
+from vllm_specgraph.allreduce import PeerAllReduce
+from vllm_specgraph.device_channel import device_channel_factory
+
+pytestmark = pytest.mark.vllm
+
+BF16 = torch.bfloat16
+
+
+class _LineRecorder:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def info_once(self, message, *args, **kwargs) -> None:
+        self.lines.append(message % args)
+
+
+@pytest.fixture
+def env(install_patch, monkeypatch):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    module = install_patch("vllm.distributed.device_communicators.cuda_communicator")
+    from vllm_specgraph.patches.distributed.device_communicators import cuda_communicator
+
+    made: list[PeerAllReduce] = []
+
+    def peer_on_cpu(group, device):
+        assert device.type == "cuda", "vLLM's communicator device is handed on"
+        made.append(
+            PeerAllReduce(group, "cpu", create_channel=device_channel_factory(1 << 20, "cpu"))
+        )
+        return made[-1]
+
+    monkeypatch.setattr(cuda_communicator, "PeerAllReduce", peer_on_cpu)
+    kernel_calls: list[int] = []
+
+    def copy_kernel(algorithm, staged, group_name, out):
+        kernel_calls.append(staged.data_ptr())
+        out.copy_(staged)
+
+    monkeypatch.setattr(allreduce_module, "_run_symm_mem_op", copy_kernel)
+    recorder = _LineRecorder()
+    monkeypatch.setattr(module, "logger", recorder)
+    monkeypatch.delenv("VLLM_SPECGRAPH_ALLREDUCE", raising=False)
+    yield SimpleNamespace(module=module, made=made, kernel_calls=kernel_calls, lines=recorder.lines)
+    dist.destroy_process_group()
+
+
+def _communicator(module, unique_name="tp:0", **backends):
+    communicator = module.CudaCommunicator.__new__(module.CudaCommunicator)
+    for name in (
+        "fi_pcie_ipc_ar_comm",
+        "fi_ar_comm",
+        "qr_comm",
+        "aiter_ar_comm",
+        "ca_comm",
+        "symm_mem_comm",
+        "pynccl_comm",
+    ):
+        setattr(communicator, name, backends.get(name))
+    communicator.use_aiter_allreduce = False
+    communicator.world_size = 2  # as vLLM sees the group; the test's gloo group has one rank
+    communicator.unique_name = unique_name
+    communicator.device = torch.device("cuda", 0)
+    communicator.device_group = dist.group.WORLD
+    communicator._log_all_reduce_backend_selection()
+    return communicator
+
+
+def test_auto_without_a_vllm_fast_path_puts_the_peer_all_reduce_first_in_vllms_line(env):
+    communicator = _communicator(env.module)
+    assert communicator.specgraph_all_reduce is env.made[0]
+    [line] = env.lines
+    assert "Using ['SPECGRAPH_P2P'] all-reduce backends" in line
+    assert "potential backends: ['SPECGRAPH_P2P', 'FLASHINFER_PCIE_IPC'" in line
+    assert env.module.logger.__class__ is _LineRecorder, "vLLM's logger is back"
+
+
+@pytest.mark.parametrize("fast_path", ["ca_comm", "fi_ar_comm", "symm_mem_comm", "qr_comm"])
+def test_auto_leaves_a_group_with_a_vllm_fast_path_as_vllm_made_it(env, fast_path):
+    communicator = _communicator(env.module, **{fast_path: SimpleNamespace(disabled=False)})
+    assert communicator.specgraph_all_reduce is None and env.made == []
+    assert "SPECGRAPH_P2P" not in env.lines[0]
+
+
+def test_auto_counts_a_disabled_vllm_backend_as_absent(env):
+    communicator = _communicator(env.module, ca_comm=SimpleNamespace(disabled=True))
+    assert communicator.specgraph_all_reduce is not None
+
+
+def test_mode_1_puts_it_ahead_of_vllms_fast_paths(env, monkeypatch):
+    monkeypatch.setenv("VLLM_SPECGRAPH_ALLREDUCE", "1")
+    communicator = _communicator(env.module, ca_comm=SimpleNamespace(disabled=False))
+    assert communicator.specgraph_all_reduce is not None
+    assert "Using ['SPECGRAPH_P2P', 'CUSTOM'] all-reduce backends" in env.lines[0]
+
+
+def test_mode_0_and_groups_other_than_tp_never_get_it(env, monkeypatch):
+    assert _communicator(env.module, unique_name="pp:0").specgraph_all_reduce is None
+    monkeypatch.setenv("VLLM_SPECGRAPH_ALLREDUCE", "0")
+    assert _communicator(env.module).specgraph_all_reduce is None
+    assert env.made == []
+
+
+def test_bad_mode_names_the_variable_the_value_and_the_choices(env, monkeypatch):
+    monkeypatch.setenv("VLLM_SPECGRAPH_ALLREDUCE", "yes")
+    with pytest.raises(ValueError, match=r"VLLM_SPECGRAPH_ALLREDUCE='yes'.*\('auto', '1', '0'\)"):
+        _communicator(env.module)
+    assert env.made == []
+
+
+def test_all_reduce_sends_what_the_peer_all_reduce_takes_to_it_the_rest_to_vllm(env):
+    communicator = _communicator(env.module)
+    x = torch.randn(8, 16, dtype=BF16)
+    assert torch.equal(communicator.all_reduce(x), x)
+    assert len(env.kernel_calls) == 1, "bf16 within the channel: the peer kernels"
+    ints = torch.arange(6)
+    assert torch.equal(communicator.all_reduce(ints), ints)  # vLLM's chain: torch.distributed
+    big = torch.randn(1 << 20, dtype=BF16)  # 2 MiB, above the 1 MiB channel
+    assert torch.equal(communicator.all_reduce(big), big)
+    assert len(env.kernel_calls) == 1
+
+
+def test_a_graph_captured_outside_graph_capture_uses_vllms_all_reduce(env, monkeypatch, caplog):
+    communicator = _communicator(env.module)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    x = torch.randn(4, 4, dtype=BF16)
+    with caplog.at_level("WARNING", logger="vllm.specgraph"):
+        communicator.all_reduce(x)
+        communicator.all_reduce(x)
+    assert env.kernel_calls == []
+    assert communicator.specgraph_all_reduce.channel_pool.num_channels == 0
+    assert [r.message.count("outside GroupCoordinator.graph_capture") for r in caplog.records] == [
+        1
+    ]
+    capturing[0] = False  # the channel is bound before the capture begins
+    with communicator.specgraph_all_reduce.channel_pool.capture(owner="target") as channel:
+        capturing[0] = True
+        communicator.all_reduce(x)
+    start = channel.buffer.data_ptr()
+    assert start <= env.kernel_calls[0] < start + channel.buffer.numel()
+
+
+def test_communicator_without_the_patchs_attribute_keeps_vllms_all_reduce(env):
+    # A communicator of a group with one rank never runs the selection step.
+    module = env.module
+    communicator = module.CudaCommunicator.__new__(module.CudaCommunicator)
+    for name in ("fi_ar_comm", "qr_comm", "fi_pcie_ipc_ar_comm", "aiter_ar_comm", "ca_comm"):
+        setattr(communicator, name, None)
+    communicator.symm_mem_comm = communicator.pynccl_comm = None
+    communicator.use_aiter_allreduce = False
+    communicator.device_group = dist.group.WORLD
+    x = torch.randn(3, dtype=BF16)
+    assert torch.equal(communicator.all_reduce(x), x)
+    assert env.kernel_calls == []

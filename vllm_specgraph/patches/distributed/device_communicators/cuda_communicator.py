@@ -1,0 +1,189 @@
+"""Patch for ``vllm.distributed.device_communicators.cuda_communicator`` (vLLM 0.33.0).
+
+vLLM does: ``CudaCommunicator.all_reduce`` tries FlashInfer (PCIe IPC, then
+fused), NCCL symmetric memory, AITER and QuickReduce (ROCm), the custom
+all-reduce (a compiled library), torch symmetric memory, then NCCL. On a GPU
+node where none of those fast paths comes up (no compiled custom all-reduce,
+no FlashInfer, NVLink multicast off or absent, which turns torch symmetric
+memory off), every tensor-parallel all-reduce is an NCCL call, captured graphs
+included. ``__init__`` ends, for groups of more than one rank, by logging which
+backends it enabled (``_log_all_reduce_backend_selection``).
+
+This patch changes: at that point, once vLLM has built its own backends, the
+TP group's communicator gets the core's
+:class:`~vllm_specgraph.allreduce.PeerAllReduce` (torch symmetric memory, peer
+loads and stores only, never multicast, one channel per graph capture) at the
+head of its dispatch; vLLM's selection line names it (``SPECGRAPH_P2P``).
+``VLLM_SPECGRAPH_ALLREDUCE`` says when: ``auto`` (default) where none of vLLM's
+fast paths is up, ``1`` always, ``0`` never. Inputs it would send to NCCL
+(dtypes its kernels lack, sizes above its channel) take vLLM's own chain, as
+does a graph captured outside ``GroupCoordinator.graph_capture`` (which gives
+each capture its channel; see the ``parallel_state`` patch).
+
+Why: a channel that belongs to one graph cannot be overwritten by another
+owner's replay, and the disposable profile rolls back the channels of its
+throwaway graphs on every rank. Graph-replayed, the peer all-reduce also takes
+about 0.7x NCCL's time for decode-sized inputs on two H200s
+(``bench/allreduce.py``).
+
+vLLM private names used: ``CudaCommunicator._log_all_reduce_backend_selection``
+(wrapped) and the module's ``logger`` (swapped for the duration of that call);
+the patch adds ``CudaCommunicator.specgraph_all_reduce``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from vllm_specgraph.allreduce import Algorithm, PeerAllReduce
+from vllm_specgraph.patches._patching import PatchSet
+
+__all__ = ["ALLREDUCE_MODES", "BACKEND_NAME", "allreduce_mode", "install"]
+
+logger = logging.getLogger("vllm.specgraph")
+
+ALLREDUCE_MODES = ("auto", "1", "0")
+"""Values of ``VLLM_SPECGRAPH_ALLREDUCE``: where vLLM has no fast path, always, never."""
+
+BACKEND_NAME = "SPECGRAPH_P2P"
+"""The name vLLM's backend-selection line gives the peer all-reduce."""
+
+# vLLM's fast paths: (attribute of CudaCommunicator, its name in vLLM's selection line).
+_FAST_PATHS = (
+    ("fi_pcie_ipc_ar_comm", "FLASHINFER_PCIE_IPC"),
+    ("fi_ar_comm", "FLASHINFER"),
+    ("qr_comm", "QUICK_REDUCE"),
+    ("aiter_ar_comm", "AITER_CUSTOM"),
+    ("ca_comm", "CUSTOM"),
+    ("symm_mem_comm", "SYMM_MEM"),
+)
+
+
+def allreduce_mode() -> str:
+    """``VLLM_SPECGRAPH_ALLREDUCE``, checked: ``auto`` unless set."""
+    mode = os.environ.get("VLLM_SPECGRAPH_ALLREDUCE", "auto")
+    if mode not in ALLREDUCE_MODES:
+        raise ValueError(
+            f"VLLM_SPECGRAPH_ALLREDUCE={mode!r} is not a mode; use one of {ALLREDUCE_MODES} "
+            "(auto: where vLLM has no fast all-reduce, 1: always, 0: never)"
+        )
+    return mode
+
+
+def _fast_paths_up(communicator: Any) -> list[str]:
+    up = []
+    for attribute, name in _FAST_PATHS:
+        backend = getattr(communicator, attribute, None)
+        if backend is not None and not backend.disabled:
+            up.append(name)
+    return up
+
+
+def _wants_peer_all_reduce(communicator: Any) -> bool:
+    """Every rank of the group decides alike: the mode and vLLM's backends are the same."""
+    from vllm import envs
+
+    mode = allreduce_mode()
+    if mode == "0" or communicator.unique_name.split(":")[0] != "tp":
+        return False
+    if communicator.world_size < 2 or communicator.device.type != "cuda":
+        return False
+    if mode == "1":
+        return True
+    # Its sums are exact at two ranks but the order is not fixed above that.
+    return not envs.VLLM_BATCH_INVARIANT and not _fast_paths_up(communicator)
+
+
+class _PeerAllReduceListed:
+    """Stands in for vLLM's logger during its selection line: the peer all-reduce comes first."""
+
+    def __init__(self, vllm_logger: Any) -> None:
+        self._logger = vllm_logger
+
+    def info_once(self, message: str, enabled: str, group: str, potential: str, **kw: Any) -> None:
+        self._logger.info_once(
+            message, _listed_first(enabled), group, _listed_first(potential), **kw
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._logger, name)
+
+
+def _listed_first(backends: str) -> str:
+    # vLLM renders its lists as "['A', 'B']", or "[]".
+    rest = backends.removeprefix("[").removesuffix("]")
+    return f"['{BACKEND_NAME}'" + (f", {rest}]" if rest else "]")
+
+
+def _wrap_log_selection(
+    log_selection: Callable[[Any], None], cuda_communicator: ModuleType
+) -> Callable[[Any], None]:
+    @functools.wraps(log_selection)
+    def _log_all_reduce_backend_selection(self: Any) -> None:
+        # vLLM calls this last in __init__, for groups of more than one rank: its own
+        # backends exist, so this is where the peer all-reduce can know it is needed.
+        self.specgraph_all_reduce = None
+        if not _wants_peer_all_reduce(self):
+            log_selection(self)
+            return
+        self.specgraph_all_reduce = PeerAllReduce(self.device_group, self.device)
+        vllm_logger = cuda_communicator.logger
+        cuda_communicator.logger = _PeerAllReduceListed(vllm_logger)
+        try:
+            log_selection(self)
+        finally:
+            cuda_communicator.logger = vllm_logger
+
+    return _log_all_reduce_backend_selection
+
+
+def _wrap_all_reduce(all_reduce: Callable[[Any, torch.Tensor], torch.Tensor]) -> Callable:
+    warned: list[bool] = []
+
+    @functools.wraps(all_reduce)
+    def all_reduce_peer_first(self: Any, input_: torch.Tensor) -> torch.Tensor:
+        peer: PeerAllReduce | None = getattr(self, "specgraph_all_reduce", None)
+        if peer is None or peer.select(input_) is Algorithm.NCCL:
+            return all_reduce(self, input_)
+        if _stream_is_capturing() and not peer.channel_pool.in_capture():
+            if not warned:
+                warned.append(True)
+                logger.warning(
+                    "vllm-specgraph: a graph captured outside GroupCoordinator.graph_capture "
+                    "all-reduces over %s; it has no channel of its own, so it uses vLLM's "
+                    "all-reduce",
+                    self.unique_name,
+                )
+            return all_reduce(self, input_)
+        return peer.all_reduce(input_)
+
+    return all_reduce_peer_first
+
+
+def _stream_is_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def install(patches: PatchSet, cuda_communicator: ModuleType) -> None:
+    communicator = cuda_communicator.CudaCommunicator
+    patches.replace(
+        communicator,
+        "_log_all_reduce_backend_selection",
+        _wrap_log_selection(
+            vars(communicator)["_log_all_reduce_backend_selection"], cuda_communicator
+        ),
+        parameters=("self",),
+    )
+    patches.replace(
+        communicator,
+        "all_reduce",
+        _wrap_all_reduce(vars(communicator)["all_reduce"]),
+        parameters=("self", "input_"),
+    )

@@ -1,0 +1,72 @@
+"""Patch for ``vllm.distributed.parallel_state`` (vLLM 0.33.0).
+
+vLLM does: ``GroupCoordinator.graph_capture`` is the context every graph
+manager enters for its whole capture (the target's, each speculator's, the
+encoder's; the disposable profile's too): it switches to a capture stream and
+enters the capture contexts of the group's custom all-reduce communicators.
+Communicators that keep one persistent buffer (torch symmetric memory) share
+it between every graph, target and draft alike.
+
+This patch changes: when the group's communicator carries the plugin's peer
+all-reduce (the ``cuda_communicator`` patch), ``graph_capture`` first binds a
+fresh channel of it to the capture, owned by the lane the capture runs in
+(``target``, or ``draft`` for the speculator's), and unbinds it on exit. The
+channel is made, and rendezvoused across the group's ranks, before vLLM's
+context and any graph capture begin: making one allocates and is collective.
+
+Why: a graph bakes in the addresses of the channel it all-reduced through; a
+channel of its own is one no other owner's replay writes, and one the
+disposable profile can close on every rank once its throwaway graphs are gone.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from types import ModuleType
+from typing import Any
+
+from vllm_specgraph.lanes import DEFAULT_OWNER_LANES, current_owner
+from vllm_specgraph.patches._patching import PatchSet
+
+__all__ = ["install"]
+
+
+_LANE_OWNERS = {lane: owner for owner, lane in DEFAULT_OWNER_LANES.items()}
+
+
+def _capture_owner() -> str:
+    # vLLM selects lanes by index (the speculator runs in lane 1).
+    owner = current_owner()
+    return owner if isinstance(owner, str) else _LANE_OWNERS.get(owner, f"lane {owner}")
+
+
+def _channel_for_capture(group: Any) -> AbstractContextManager[object]:
+    peer = getattr(group.device_communicator, "specgraph_all_reduce", None)
+    if peer is None:
+        return nullcontext()
+    return peer.channel_pool.capture(owner=_capture_owner())
+
+
+def _wrap_graph_capture(graph_capture: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(graph_capture)
+    @contextmanager
+    def graph_capture_with_channel(self: Any, graph_capture_context: Any = None) -> Iterator[Any]:
+        with (
+            _channel_for_capture(self),
+            graph_capture(self, graph_capture_context) as context,
+        ):
+            yield context
+
+    return graph_capture_with_channel
+
+
+def install(patches: PatchSet, parallel_state: ModuleType) -> None:
+    coordinator = parallel_state.GroupCoordinator
+    patches.replace(
+        coordinator,
+        "graph_capture",
+        _wrap_graph_capture(vars(coordinator)["graph_capture"]),
+        parameters=("self", "graph_capture_context"),
+    )
