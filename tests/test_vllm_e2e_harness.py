@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import os
 import sys
 from types import ModuleType, SimpleNamespace
@@ -35,6 +36,15 @@ def _load(name: str) -> ModuleType:
 
 run_llm = _load("run_llm")
 summarize = _load("summarize")
+memory_budget = run_llm.memory_budget  # run_llm's own: scripts/vllm_e2e is on sys.path
+workloads = run_llm.workloads
+
+
+@pytest.fixture(autouse=True)
+def _no_garbage_collection_at_rest(monkeypatch):
+    """``workloads.free_at_rest`` collects garbage first; with vLLM imported that
+    takes a while and the stand-in GPU does not need it."""
+    monkeypatch.setattr(workloads, "gc", SimpleNamespace(collect=lambda: 0))
 
 
 class FakeCuda:
@@ -45,6 +55,9 @@ class FakeCuda:
     def __init__(self) -> None:
         self.used = 10 << 30
         self.reserved = 0
+        self.allocated = 0
+        self.peak_allocated = 0
+        self.peak_reserved = 0
 
     def synchronize(self) -> None:
         pass
@@ -58,8 +71,35 @@ class FakeCuda:
     def memory_reserved(self) -> int:
         return self.reserved
 
+    def memory_allocated(self) -> int:
+        return self.allocated
+
+    def reset_peak_memory_stats(self) -> None:
+        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+
+    def max_memory_allocated(self) -> int:
+        return self.peak_allocated
+
+    def max_memory_reserved(self) -> int:
+        return self.peak_reserved
+
+    def take(self, nbytes: int) -> None:
+        """A step that keeps ``nbytes`` in the allocator's cache (driver level)."""
+        self.used += nbytes
+        self.reserved += nbytes
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        self.peak_allocated = max(self.peak_allocated, self.allocated + nbytes)
+
+
+HEADROOM = 100 * MiB  # the stand-in worker's activation headroom
+
 
 def fake_classes(cuda: FakeCuda, est: int, retained: int, actual: int, kv: int) -> tuple:
+    """A runner and a worker that move ``cuda`` as vLLM would: the profile leaves
+    ``retained`` taken, the worker sizes the KV cache at ``kv`` (its limit is
+    ``kv + headroom + estimate`` above the snapshot, as vLLM's formula gives
+    with nothing else taken) and allocates it, the capture takes ``actual``."""
+
     class Runner:
         def profile_cudagraph_memory(self) -> int:
             cuda.used += retained  # what the profile leaves taken
@@ -75,10 +115,42 @@ def fake_classes(cuda: FakeCuda, est: int, retained: int, actual: int, kv: int) 
         cudagraph_memory_estimate = est
 
         def determine_available_memory(self) -> int:
+            applied = est if memory_budget.estimate_applied() else 0
+            self.init_snapshot = SimpleNamespace(
+                free_memory=cuda.total - cuda.used, total_memory=cuda.total
+            )
+            self.requested_memory = kv + HEADROOM + applied
+            self.peak_activation_memory = HEADROOM + applied
+            self.available_kv_cache_memory_bytes = kv
             Runner().profile_cudagraph_memory()
+            cuda.used += kv
             return kv
 
     return Runner, Worker
+
+
+def fake_metrics(drafts: int, draft_tokens: int, accepted: int) -> list[SimpleNamespace]:
+    """``llm.get_metrics()`` entries as vLLM's reader makes them."""
+    return [
+        SimpleNamespace(name="vllm:spec_decode_num_drafts", value=drafts),
+        SimpleNamespace(name="vllm:spec_decode_num_draft_tokens", value=draft_tokens),
+        SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=accepted),
+        SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=[5, 4, 3]),
+        SimpleNamespace(name="vllm:num_requests_running", value=0),
+    ]
+
+
+def workload_args(workload: str = "smoke", **kw: Any) -> SimpleNamespace:
+    """run_llm.py's arguments that ``run_workload`` reads."""
+    defaults = {
+        "workload": workload,
+        "max_tokens": 3,
+        "num_prompts": 2,
+        "load_requests": 4,
+        "load_repeats": 2,
+        "seed": 0,
+    }
+    return SimpleNamespace(**(defaults | kw))
 
 
 def fake_run(
@@ -92,8 +164,13 @@ def fake_run(
     kv: int,
     tokens: list[list[int]],
     report: dict | None = None,
+    step: int = 0,
+    workload: str = "smoke",
+    capture: str = "default",
 ) -> dict[str, Any]:
-    """One run_llm.py result built by the harness's own wrappers and helpers."""
+    """One run_llm.py result built by the harness's own wrappers and helpers: the
+    start-up moves the stand-in GPU, then ``run_llm.run_workload`` generates
+    ``tokens`` with a step that keeps ``step`` bytes."""
     cuda = FakeCuda()
     runner_cls, worker_cls = fake_classes(cuda, est, retained, actual, kv)
     mem: dict[str, Any] = {}
@@ -105,26 +182,29 @@ def fake_run(
     runner = SimpleNamespace(specgraph_profile=None)
     if report is not None:
         runner.specgraph_profile = SimpleNamespace(to_dict=lambda: report)
-    return {
+    result: dict[str, Any] = {
         "size": size,
         "case": case,
         "plugin": {"switch": plugin, "wrappers_intact": run_llm.wrappers_intact(installed)},
+        "capture": capture,
+        "workload": workload,
         "ok": True,
         "stage": "done",
         "mem": mem,
         "startup_s": 12.5,
         "resolved": {"num_gpu_blocks": kv // (block_size * 1024), "block_size": block_size},
         "kv_tokens": kv // 1024,
-        "tokens": tokens,
-        "spec": run_llm.spec_summary(
-            {
-                "vllm:spec_decode_num_drafts": 10,
-                "vllm:spec_decode_num_draft_tokens": 30,
-                "vllm:spec_decode_num_accepted_tokens": 12,
-            }
-        ),
         "plugin_report": run_llm.plugin_report(runner),
     }
+
+    def generate(requests: list) -> list[list[int]]:
+        cuda.take(step)
+        return [list(t) for t in tokens]
+
+    llm = SimpleNamespace(get_metrics=lambda: fake_metrics(10, 30, 12))
+    preset = run_llm.SIZES[size]
+    run_llm.run_workload(workload_args(workload), preset, 512, generate, llm, cuda, mem, result)
+    return result
 
 
 def test_wrappers_record_estimate_retained_actual_and_kv():
@@ -164,18 +244,28 @@ def test_wrappers_intact_notices_a_replaced_method():
     assert run_llm.wrappers_intact(installed)["capture_model"] is False
 
 
+ESTIMATE_ENV = "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS"
+
+
 @pytest.mark.parametrize(
-    ("switch", "plugins", "specgraph"),
-    [("on", "specgraph", None), ("off", "specgraph", "0"), ("none", "", None)],
+    ("switch", "plugins", "specgraph", "estimate"),
+    [
+        ("on", "specgraph", None, None),
+        ("off", "specgraph", "0", None),
+        ("none", "", None, None),
+        ("noest", "specgraph", "0", "0"),
+    ],
 )
-def test_plugin_switch_sets_the_environment(monkeypatch, switch, plugins, specgraph):
+def test_plugin_switch_sets_the_environment(monkeypatch, switch, plugins, specgraph, estimate):
     for key in ("VLLM_PLUGINS", "VLLM_SPECGRAPH", *run_llm.BASE_ENV):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("VLLM_SPECGRAPH", "0")  # inherited values must not leak through
     monkeypatch.setenv("VLLM_PLUGINS", "other")
+    monkeypatch.setenv(ESTIMATE_ENV, "7")
     env = run_llm.set_env(switch)
-    assert env == {"VLLM_PLUGINS": plugins, "VLLM_SPECGRAPH": specgraph}
+    assert env == {"VLLM_PLUGINS": plugins, "VLLM_SPECGRAPH": specgraph, ESTIMATE_ENV: estimate}
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert memory_budget.estimate_applied() is (switch != "noest")
 
 
 @pytest.fixture
@@ -424,6 +514,274 @@ def test_summarize_counts_skipped_runs_as_not_run(tmp_path, capsys):
     assert doc["skipped"] == ["tiny-ngram-off", "tiny-ngram-on"]
     assert [r["status"] for r in doc["rows"]] == ["PASS"]
     assert "skipped for lack of time: tiny-ngram-off tiny-ngram-on" in capsys.readouterr().out
+
+
+# ---- budget figures, tight plan, workloads ---------------------------------------
+
+
+def test_wrappers_record_the_workers_budget_and_the_step():
+    r = fake_run(
+        "tiny",
+        "base",
+        "off",
+        est=41 * MiB,
+        retained=32 * MiB,
+        actual=36 * MiB,
+        kv=7 << 30,
+        tokens=[[1, 2]],
+        step=150 * MiB,
+    )
+    m = r["mem"]
+    assert m["requested_bytes"] == (7 << 30) + HEADROOM + 41 * MiB
+    assert m["activation_headroom_bytes"] == HEADROOM
+    assert m["graph_estimate_applied_bytes"] == 41 * MiB
+    assert m["non_kv_bytes"] == HEADROOM
+    assert m["capture_started"] is True
+    # Held since the snapshot: retained + KV + actual; the limit at rest is
+    # requested - headroom = KV + estimate: over by retained + actual - estimate.
+    assert memory_budget.over_budget_bytes(m) == (32 + 36 - 41) * MiB
+    assert memory_budget.step_bytes(m) == 150 * MiB
+    assert m["step_reserved_peak_bytes"] == 150 * MiB
+    assert memory_budget.need_bytes(m) == (150 - 100 + 27) * MiB
+    assert r["tokens"] == [[1, 2]] and r["spec"]["acceptance_rate"] == 0.4
+
+
+def test_no_estimate_switch_leaves_the_graphs_out_of_the_budget(monkeypatch):
+    monkeypatch.setenv(ESTIMATE_ENV, "0")
+    r = fake_run(
+        "tiny",
+        "base",
+        "noest",
+        est=41 * MiB,
+        retained=32 * MiB,
+        actual=36 * MiB,
+        kv=7 << 30,
+        tokens=[[1]],
+    )
+    m = r["mem"]
+    assert m["graph_estimate_applied_bytes"] == 0
+    assert m["activation_headroom_bytes"] == HEADROOM
+    assert memory_budget.over_budget_bytes(m) == (32 + 36) * MiB
+
+
+def test_worker_budget_is_empty_without_a_profile():
+    assert memory_budget.worker_budget(SimpleNamespace(), True) == {}
+    assert memory_budget.over_budget_bytes({"init_free_bytes": 1}) is None
+    assert memory_budget.need_bytes(None) is None
+
+
+@pytest.mark.parametrize(
+    ("run", "kind"),
+    [
+        ({"ok": True}, "ran"),
+        (
+            {"stage": "init", "error": "ValueError('Free memory on device cuda:0 (1/2 GiB)')"},
+            "refused at start-up: free memory below the limit",
+        ),
+        (
+            {"stage": "generate", "error": "OutOfMemoryError('CUDA out of memory. Tried')"},
+            "out of memory in the first full step",
+        ),
+        (
+            {
+                "stage": "init",
+                "error": "torch.OutOfMemoryError()",
+                "mem": {"kv_cache_bytes": 1, "capture_started": True},
+            },
+            "out of memory in the production capture",
+        ),
+        (
+            {"stage": "init", "traceback": "CUDA out of memory", "mem": {"kv_cache_bytes": 1}},
+            "out of memory after KV sizing, before the capture",
+        ),
+        ({"stage": "init", "error": "out of memory"}, "out of memory before KV sizing"),
+        ({"stage": "generate", "error": "KeyError('x')"}, "failed at stage generate"),
+    ],
+)
+def test_failure_kind_names_where_a_run_stopped(run, kind):
+    assert memory_budget.failure_kind(run) == kind
+
+
+def _calibration(step: int = 150 * MiB) -> dict[str, dict]:
+    """off: upstream estimate 41, 32 left taken, 36 captured (27 over budget);
+    on: the plugin's budget 34 = 30 graphs + 4 one-time (0 over)."""
+    off = fake_run(
+        "tiny",
+        "base",
+        "off",
+        est=41 * MiB,
+        retained=32 * MiB,
+        actual=36 * MiB,
+        kv=7 << 30,
+        tokens=[[1]],
+        step=step,
+        workload="peak",
+    )
+    on = fake_run(
+        "tiny",
+        "base",
+        "on",
+        est=34 * MiB,
+        retained=4 * MiB,
+        actual=30 * MiB,
+        kv=7 << 30,
+        tokens=[[1]],
+        step=step,
+        workload="peak",
+        report=_plugin_report({"target": 30 * MiB}, {"target": 30 * MiB}, one_time=4 * MiB),
+    )
+    return {"off": off, "on": on}
+
+
+def test_tight_plan_puts_the_limit_between_the_needs(tmp_path, capsys):
+    runs = _calibration()
+    mems = {s: r["mem"] for s, r in runs.items()}
+    plan = memory_budget.tight_plan(mems)
+    assert plan["need_bytes"] == {"off": 77 * MiB, "on": 50 * MiB}
+    assert plan["over_budget_bytes"] == {"off": 27 * MiB, "on": 0}
+    assert plan["margin_bytes"] == (77 + 50) * MiB // 2
+    requested = math.ceil(FakeCuda.total * plan["gpu_memory_utilization"])
+    assert abs(requested - (mems["off"]["init_free_bytes"] - plan["margin_bytes"])) <= 1
+    assert memory_budget.tight_plan(mems, 5 * MiB)["margin_bytes"] == 5 * MiB
+    # Off needing no more than on cannot be told apart by running out of memory.
+    same = memory_budget.tight_plan({"off": mems["on"], "on": mems["on"]})
+    assert same["margin_bytes"] == 50 * MiB + memory_budget.SEPARATION_MARGIN_BYTES
+    assert "both should fit" in same["reason"]
+    with pytest.raises(ValueError, match="calibration run 'on' lacks budget figures"):
+        memory_budget.tight_plan({"off": mems["off"], "on": {}})
+
+    for switch, r in runs.items():
+        (tmp_path / f"{switch}.json").write_text(json.dumps(r))
+    out = tmp_path / "plan.json"
+    rc = memory_budget._main(
+        ["plan", str(tmp_path / "off.json"), str(tmp_path / "on.json"), "--out", str(out)]
+    )
+    assert rc == 0
+    written = json.loads(out.read_text())
+    assert written["gpu_memory_utilization"] == plan["gpu_memory_utilization"]
+    assert written["calibration"]["off"].endswith("off.json")
+    assert "tight plan: gpu_memory_utilization=" in capsys.readouterr().out
+    (tmp_path / "on.json").write_text(json.dumps({"mem": {}}))
+    assert (
+        memory_budget._main(
+            ["plan", *(str(tmp_path / f"{s}.json") for s in ("off", "on")), "--out", str(out)]
+        )
+        == 1
+    )
+
+
+def test_peak_and_load_requests():
+    peak = workloads.peak_requests(512, 256, 2048)
+    assert len(peak) == 256 and sum(len(ids) for ids, _ in peak) == 2048
+    assert {n for _, n in peak} == {workloads.PEAK_MAX_TOKENS}
+    assert sum(len(ids) for ids, _ in workloads.peak_requests(512, 8, 515)) == 515
+    with pytest.raises(ValueError, match="at least max_num_seqs"):
+        workloads.peak_requests(512, 8, 4)
+    load = workloads.load_requests(128256, 256, 1024, seed=0)
+    assert load == workloads.load_requests(128256, 256, 1024, seed=0)
+    assert load != workloads.load_requests(128256, 256, 1024, seed=1)
+    assert all(16 <= len(ids) <= 512 and 16 <= n <= 256 for ids, n in load)
+    assert all(0 < t < 128255 for ids, _ in load for t in ids)
+    assert len({len(ids) for ids, _ in load}) > 50 and len({n for _, n in load}) > 50
+    with pytest.raises(ValueError, match="max_model_len"):
+        workloads.load_requests(512, 1, 32, seed=0)
+
+
+def test_counter_delta_and_spec_counters():
+    before = workloads.read_spec_counters(fake_metrics(10, 30, 12))
+    assert before == {
+        "vllm:spec_decode_num_drafts": 10,
+        "vllm:spec_decode_num_draft_tokens": 30,
+        "vllm:spec_decode_num_accepted_tokens": 12,
+        "vllm:spec_decode_num_accepted_tokens_per_pos": [5, 4, 3],
+    }
+    after = workloads.read_spec_counters(fake_metrics(20, 60, 27)) | {
+        "vllm:spec_decode_num_accepted_tokens_per_pos": [9, 8, 7, 1]
+    }
+    delta = workloads.counter_delta(before, after)
+    assert delta["vllm:spec_decode_num_drafts"] == 10
+    assert delta["vllm:spec_decode_num_accepted_tokens_per_pos"] == [4, 4, 4, 1]
+    assert workloads.spec_summary(delta)["acceptance_rate"] == 0.5
+
+
+def test_run_load_times_only_the_repeats():
+    ticks = iter(range(100))
+    calls: list[int] = []
+
+    def generate(requests):
+        calls.append(len(requests))
+        return [[7] * n for _, n in requests]
+
+    def counters() -> dict:
+        # Every request drafts 3 times (9 draft tokens); a timed one has 6 of them
+        # accepted, the warm-up's none (counted in, it would lower the rate).
+        n = sum(calls)
+        return workloads.read_spec_counters(fake_metrics(3 * n, 9 * n, 6 * sum(calls[1:])))
+
+    requests = [([1, 2], 5), ([3], 7)]
+    warmup = [([1], 2)]
+    out = workloads.run_load(
+        generate,
+        counters,
+        requests,
+        warmup,
+        repeats=2,
+        clock=lambda: float(next(ticks)),
+    )
+    assert calls == [1, 2, 2]  # the warm-up first, then the timed repeats
+    assert out["repeats"] == [
+        {"wall_s": 1.0, "generated_tokens": 12, "tokens_per_s": 12.0},
+        {"wall_s": 1.0, "generated_tokens": 12, "tokens_per_s": 12.0},
+    ]
+    assert out["tokens_per_s_best"] == out["tokens_per_s_median"] == 12.0
+    assert out["repeats_equal"] is True and out["tokens"] == [[7] * 5, [7] * 7]
+    assert out["spec"]["drafts"] == 12 and out["spec"]["acceptance_rate"] == round(24 / 36, 4)
+    assert (out["num_requests"], out["prompt_tokens"], out["max_tokens"]) == (2, 3, 12)
+    flaky = iter([[[1]], [[1]], [[2]]])
+    again = workloads.run_load(lambda r: next(flaky), dict, [([1], 1)], [], repeats=2)
+    assert again["repeats_equal"] is False
+    with pytest.raises(ValueError, match="repeats"):
+        workloads.run_load(generate, dict, requests, warmup, repeats=0)
+
+
+def test_run_workload_load_records_throughput_and_the_first_tokens():
+    r = fake_run(
+        "1b",
+        "draft",
+        "on",
+        est=1,
+        retained=0,
+        actual=1,
+        kv=1 << 30,
+        tokens=[[4, 5]],
+        workload="load",
+    )
+    load = r["load"]
+    assert load["num_requests"] == 4 and len(load["repeats"]) == 2
+    assert r["tokens"] == [[4, 5]] and "tokens" not in load
+    assert load["spec"] == r["spec"] and r["spec"]["drafts"] == 0  # counters did not move
+    assert "free_at_rest_bytes" in r["mem"] and "free_after_step_bytes" not in r["mem"]
+    assert r["generate_s"] == sum(x["wall_s"] for x in load["repeats"])
+
+
+def test_capture_size_sets():
+    args = SimpleNamespace(
+        case="base",
+        model="m",
+        draft="d",
+        eagle="e",
+        num_spec=3,
+        dtype="bfloat16",
+        gpu_mem_util=0.5,
+        cudagraph_mode="FULL",
+        capture="small",
+    )
+    kw = run_llm.llm_kwargs(args, run_llm.SIZES["1b"])
+    assert kw["compilation_config"]["cudagraph_capture_sizes"] == [1, 2, 4, 8, 16, 32]
+    assert run_llm.capture_sizes(run_llm.SIZES["1b"], "default") is None
+    assert run_llm.capture_sizes(run_llm.SIZES["tiny"], "default") == [1, 2, 4, 8, 16, 32]
+    with pytest.raises(ValueError, match="capture-size set"):
+        run_llm.capture_sizes(run_llm.SIZES["1b"], "large")
 
 
 # ---- tensor parallelism (--tp > 1) ----------------------------------------------
