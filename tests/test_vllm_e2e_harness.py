@@ -38,6 +38,9 @@ run_llm = _load("run_llm")
 summarize = _load("summarize")
 memory_budget = run_llm.memory_budget  # run_llm's own: scripts/vllm_e2e is on sys.path
 workloads = run_llm.workloads
+summarize_load = summarize.summarize_load
+summarize_table = summarize.summarize_table
+summarize_tight = summarize.summarize_tight
 
 
 @pytest.fixture(autouse=True)
@@ -462,7 +465,8 @@ def test_summarize_table_checks_and_carry_over(tmp_path, capsys):
     assert eagle["status"] == "FAIL (estimate -10.0 %; tokens differ)"
     md = (res / "vllm_graph_memory.md").read_text()
     assert (
-        "| tiny | base | 41.0 | 30.0 | 34.0 | 30.0 | 36.0 | +0.0 % (+0.0) | +13.9 % (+5.0) |" in md
+        "| tiny | default | base | 41.0 / 30.0 | 34.0 | 36.0 / 30.0 "
+        "| +13.9 % (+5.0) / +0.0 % (+0.0) | 32.0 / 4.0 | -27.0 / 0.0 |" in md
     )
     assert "target 30.0 / 30.0" in md and "| PASS |" in md
     printed = capsys.readouterr().out
@@ -497,7 +501,7 @@ def test_summarize_table_checks_and_carry_over(tmp_path, capsys):
         ("1b", "base"),
     ]
     assert list(doc2["sizes"]) == ["tiny", "1b"]
-    assert "| 1b | base |" in (res2 / "vllm_graph_memory.md").read_text()
+    assert "| 1b | default | base |" in (res2 / "vllm_graph_memory.md").read_text()
 
 
 def test_summarize_counts_skipped_runs_as_not_run(tmp_path, capsys):
@@ -782,6 +786,169 @@ def test_capture_size_sets():
     assert run_llm.capture_sizes(run_llm.SIZES["tiny"], "default") == [1, 2, 4, 8, 16, 32]
     with pytest.raises(ValueError, match="capture-size set"):
         run_llm.capture_sizes(run_llm.SIZES["1b"], "large")
+
+
+def _tight(run: dict, plan: dict, **fields: Any) -> dict:
+    return run | {"tight": plan, "workload": "peak"} | fields
+
+
+def test_summarize_noest_capture_sets_tight_and_load(tmp_path, capsys):
+    toks = [[5, 6, 7]]
+    exact = _plugin_report({"target": 30 * MiB}, {"target": 30 * MiB}, one_time=4 * MiB)
+    off_fig = {"est": 41 * MiB, "retained": 32 * MiB, "actual": 36 * MiB, "kv": 7 << 30}
+    on_fig = {"est": 34 * MiB, "retained": 4 * MiB, "actual": 30 * MiB, "kv": 7 << 30}
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def write(run: dict, name: str) -> None:
+        (out / f"{name}.json").write_text(json.dumps(run))
+
+    for capture, suffix in (("default", ""), ("small", "-small")):
+        write(
+            fake_run("1b", "base", "off", tokens=toks, capture=capture, **off_fig), f"off{suffix}"
+        )
+        on = fake_run("1b", "base", "on", tokens=toks, report=exact, capture=capture, **on_fig)
+        write(on, f"on{suffix}")
+    os.environ[ESTIMATE_ENV] = "0"
+    try:
+        write(fake_run("1b", "base", "noest", tokens=toks, **off_fig), "noest")
+    finally:
+        del os.environ[ESTIMATE_ENV]
+
+    plan = memory_budget.tight_plan({s: r["mem"] for s, r in _calibration().items()})
+    cal = _calibration()
+    write(cal["off"] | {"size": "1b"}, "off-peak")
+    write(cal["on"] | {"size": "1b"}, "on-peak")
+    oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB"
+    write(_tight(cal["off"] | {"size": "1b"}, plan, ok=False, stage="generate", error=oom), "off-t")
+    write(_tight(cal["on"] | {"size": "1b"}, plan), "on-t")
+    capture_died = {"kv_cache_bytes": 1, "capture_started": True}
+    noest = {"ok": False, "stage": "init", "error": oom, "mem": capture_died}
+    write(
+        _tight({"size": "1b", "case": "base", "plugin": {"switch": "noest"}}, plan, **noest), "n-t"
+    )
+
+    for switch, rate in (("off", 1000.0), ("on", 1010.0)):
+        load = fake_run("1b", "draft", switch, tokens=toks, workload="load", **on_fig)
+        load["load"]["tokens_per_s_best"] = rate
+        load["gpu"] = {"visible_devices": "1"}
+        write(load, f"load-{switch}")
+
+    res = tmp_path / "res"
+    assert summarize.main([str(out), "--results", str(res)]) == 0  # off and noest may stop
+    doc = json.loads((res / "vllm_graph_memory.json").read_text())
+    rows = {(r["size"], r["case"]): r for r in doc["rows"]}
+    assert list(rows) == [("1b", "base"), ("1b-small", "base"), ("1b-peak", "base")]
+    base = rows[("1b", "base")]
+    assert base["noest_estimate_applied_bytes"] == 0
+    assert base["budget_minus_taken_noest_bytes"] == -(32 + 36) * MiB
+    assert base["over_budget_noest_bytes"] == (32 + 36) * MiB
+    assert (base["over_budget_off_bytes"], base["over_budget_on_bytes"]) == (27 * MiB, 0)
+    assert base["tokens_equal_noest_off"] is True and base["capture"] == "default"
+    assert rows[("1b-small", "base")]["capture"] == "small"
+    md = (res / "vllm_graph_memory.md").read_text()
+    assert "| 1b | default | base | 41.0 / 30.0 / 0.0 | 34.0 |" in md
+    assert "| -27.0 / 0.0 / -68.0 | 27.0 / 0.0 / 68.0 |" in md
+    assert "| 1b-small | small | base |" in md
+
+    (tight,) = doc["tight_rows"]
+    assert (tight["size"], tight["case"], tight["pass"]) == ("1b", "base", True)
+    outcomes = {s: f["outcome"] for s, f in tight["switches"].items()}
+    assert outcomes == {
+        "off": "out of memory in the first full step",
+        "on": "ran",
+        "noest": "out of memory in the production capture",
+    }
+    assert tight["margin_bytes"] == plan["margin_bytes"]
+    assert "## Tight memory" in md
+    assert (
+        "| out of memory in the first full step | ran | out of memory in the production capture |"
+        in md
+    )
+
+    loads = json.loads((res / "vllm_load.json").read_text())["rows"]
+    assert [(r["size"], r["case"], r["ratio_on_off"], r["pass"]) for r in loads] == [
+        ("1b", "draft", 1.01, True)
+    ]
+    load_md = (res / "vllm_load.md").read_text()
+    assert "| 1b | draft | 4 |" in load_md and "| 1.010 |" in load_md
+    printed = capsys.readouterr().out
+    assert "[tight 1b/base] PASS" in printed and "[load 1b/draft] PASS" in printed
+
+    # A later invocation of another case of the same size, and of one tight case,
+    # keeps the other rows, each with its date.
+    out2 = tmp_path / "out2"
+    out2.mkdir()
+    (out2 / "on-t.json").write_text(json.dumps(_tight(cal["on"] | {"size": "tiny"}, plan)))
+    for switch, fig in (("off", off_fig), ("on", on_fig)):
+        run = fake_run("1b", "draft", switch, tokens=toks, report=exact, **fig)
+        (out2 / f"{switch}.json").write_text(json.dumps(run))
+    res2 = tmp_path / "res2"
+    assert (
+        summarize.main(
+            [str(out2), "--results", str(res2), "--previous", str(res / "vllm_graph_memory.json")]
+        )
+        == 0
+    )
+    doc2 = json.loads((res2 / "vllm_graph_memory.json").read_text())
+    assert [(r["size"], r["case"]) for r in doc2["tight_rows"]] == [
+        ("tiny", "base"),
+        ("1b", "base"),
+    ]
+    assert [(r["size"], r["case"]) for r in doc2["rows"]] == [
+        ("1b", "base"),
+        ("1b", "draft"),
+        ("1b-small", "base"),
+        ("1b-peak", "base"),
+    ]
+    assert all(r["measured_utc"] for r in doc2["rows"])
+    assert not (res2 / "vllm_load.json").exists()
+
+
+def test_tight_row_fails_when_the_plugin_run_stops():
+    oom = {"ok": False, "stage": "generate", "error": "CUDA out of memory"}
+    runs = {("1b", "base", "off"): {"ok": True}, ("1b", "base", "on"): oom}
+    (row,) = summarize_tight.build_rows(runs)
+    assert not row["pass"]
+    assert row["status"] == "FAIL (on: out of memory in the first full step)"
+    (row,) = summarize_tight.build_rows({("1b", "base", "off"): {"ok": True}})
+    assert row["status"] == "FAIL (on: not run)" and row["switches"]["noest"] is None
+
+
+def test_table_cells_of_the_committed_results():
+    """The rows in bench/results (schema 1, before the noest and over-budget
+    figures) render with "-" where a figure is missing."""
+    path = os.path.join(os.path.dirname(SCRIPTS), "bench", "results", "vllm_graph_memory.json")
+    with open(path) as f:
+        doc = json.load(f)
+    rows = {(r["size"], r["case"]): r for r in doc["rows"]}
+    cells = dict(
+        zip(
+            summarize_table.COLUMNS,
+            summarize_table.row_cells(rows[("1b", "base")]),
+            strict=True,
+        )
+    )
+    assert cells["graph estimate upstream (off) / plugin (on) / none (noest) MiB"] == (
+        "248.0 / 134.0"
+    )
+    assert cells["over budget at rest off / on / noest MiB"] == "- / -"
+    assert cells["KV tokens off / on / noest"] == "2,191,728 / 2,191,344"
+    assert cells["budget - (retained + actual) off / on / noest MiB"] == "-30.0 / 0.0"
+    assert cells["capture sizes"] == "default" and cells["check"] == "PASS"
+    assert "| 1b | default | eagle |" in summarize_table.markdown(doc | {"tight_rows": []})
+
+
+def test_load_row_fails_outside_the_ratio_or_on_token_differences():
+    def run(rate: float, tokens: list) -> dict:
+        return {"ok": True, "tokens": tokens, "load": {"tokens_per_s_best": rate}}
+
+    row = summarize_load.build_row("1b", "draft", run(1000.0, [[1]]), run(970.0, [[1]]))
+    assert row["status"] == "FAIL (on/off 0.970)"
+    row = summarize_load.build_row("1b", "draft", run(1000.0, [[1]]), run(1000.0, [[2]]))
+    assert row["status"] == "FAIL (tokens differ)"
+    row = summarize_load.build_row("1b", "draft", None, run(1000.0, [[2]]))
+    assert row["status"] == "FAIL (tokens missing; no tokens/s)"
 
 
 # ---- tensor parallelism (--tp > 1) ----------------------------------------------
@@ -1089,8 +1256,8 @@ def test_summarize_tensor_parallel_rows_check_every_rank(tmp_path, capsys):
     assert eagle["plugin_error_bytes"] == 0 and eagle["upstream_error_bytes"] == 5 * MiB
 
     md = (res / "vllm_graph_memory.md").read_text()
-    assert "| tiny-tp2 | base [rank 1 of 2] | 41.0 | 30.0 |" in md
-    assert "| tiny | base | 41.0 | 30.0 |" in md
+    assert "| tiny-tp2 | default | base [rank 1 of 2] | 41.0 / 30.0 |" in md
+    assert "| tiny | default | base | 41.0 / 30.0 |" in md
     runs = {(r["size"], r["case"], r["plugin"]["switch"]): r for r in doc["runs"]}
     assert len(runs[("tiny-tp2", "base", "on")]["ranks"]) == 2
     assert "ranks" not in runs[("tiny", "base", "on")]
