@@ -951,6 +951,194 @@ def test_load_row_fails_outside_the_ratio_or_on_token_differences():
     assert row["status"] == "FAIL (tokens missing; no tokens/s)"
 
 
+# ---- the device script's scheduling, with stand-ins for nvidia-smi and python3 ----
+
+FAKE_NVIDIA_SMI = """#!/usr/bin/env bash
+for i in $(seq 0 $(( ${FAKE_GPUS:-2} - 1 ))); do
+  case "$1" in
+    --query-gpu=index) echo "$i" ;;
+    --query-gpu=index,uuid) echo "$i, GPU-fake-$i" ;;
+    --query-gpu=*) echo "$i, Fake GPU, 1000 MiB, 0 MiB, 0.0" ;;
+  esac
+done
+"""
+
+# Setup steps succeed without doing anything; run_llm.py is FAKE_RUN; the rest
+# (memory_budget.py, summarize.py) is the real thing.
+FAKE_PYTHON = """#!/usr/bin/env bash
+case "$*" in
+  *run_llm.py*) exec "$REAL_PYTHON" "$FAKE_RUN" "$@" ;;
+  "-m pip "*|*apply_shims.py*|*install_plugin.py*) exit 0 ;;
+esac
+exec "$REAL_PYTHON" "$@"
+"""
+
+FAKE_RUN = """
+import argparse, json, os, sys, time
+ap = argparse.ArgumentParser()
+for name in ("size", "case", "plugin", "capture", "workload", "tight-plan", "out", "tp"):
+    ap.add_argument("--" + name)
+args, _ = ap.parse_known_args()
+start = time.time()
+time.sleep(float(os.environ.get("FAKE_RUN_S", "0.5")))
+MiB = 1 << 20
+total, headroom = 80 << 30, 100 * MiB
+init_free = total - (1 << 30)
+plan = json.load(open(args.tight_plan)) if args.tight_plan else None
+util = plan["gpu_memory_utilization"] if plan else 0.5
+requested = int(total * util)
+over = {"off": 27 * MiB, "noest": 68 * MiB}.get(args.plugin, 0)
+rest = init_free - (requested - headroom + over)
+mem = {
+    "init_free_bytes": init_free, "init_total_bytes": total, "requested_bytes": requested,
+    "activation_headroom_bytes": headroom, "free_at_rest_bytes": rest,
+    "free_after_step_bytes": rest - 150 * MiB,
+}
+result = {
+    "size": args.size, "case": args.case, "plugin": {"switch": args.plugin},
+    "capture": args.capture, "workload": args.workload, "ok": True, "stage": "done",
+    "mem": mem, "tokens": [[1, 2]], "argv": sys.argv[1:], "start": start, "end": time.time(),
+    "lane": os.environ.get("CUDA_VISIBLE_DEVICES"), "gpu_memory_utilization": util,
+}
+if plan:
+    result["tight"] = plan
+if args.workload == "load":
+    result["load"] = {"tokens_per_s_best": 100.0, "repeats": [{"generated_tokens": 2}]}
+json.dump(result, open(args.out, "w"))
+"""
+
+
+@pytest.fixture
+def device_script(tmp_path):
+    """Runs a copy of scripts/device-vllm-e2e.sh in a stand-in repository, with
+    nvidia-smi and python3 stand-ins on PATH; returns (run, out dir)."""
+    import shutil
+    import subprocess
+    import tarfile
+
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(os.path.join(SCRIPTS, "device-vllm-e2e.sh"), repo / "scripts")
+    os.symlink(os.path.join(SCRIPTS, "vllm_e2e"), repo / "scripts" / "vllm_e2e")
+    (repo / ".e2e" / "wheels").mkdir(parents=True)
+    (repo / ".e2e" / "wheels" / "x-1-py3-none-any.whl").write_text("")
+    with tarfile.open(repo / ".e2e" / "vllm-py.tar.gz", "w:gz"):
+        pass
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("nvidia-smi", FAKE_NVIDIA_SMI), ("python3", FAKE_PYTHON)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "fake_run.py").write_text(FAKE_RUN)
+    out = tmp_path / "out"
+
+    def run(**env: str) -> subprocess.CompletedProcess:
+        full = {
+            "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            "REAL_PYTHON": sys.executable,
+            "FAKE_RUN": str(tmp_path / "fake_run.py"),
+            "OUT": str(out),
+            "E2E_WORK": str(tmp_path / "work"),
+            "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+            "HOME": str(tmp_path),
+        } | env
+        return subprocess.run(
+            ["bash", str(repo / "scripts" / "device-vllm-e2e.sh")],
+            env=full,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    return run, out
+
+
+def _runs(out) -> dict[str, dict]:
+    return {
+        p.name[: -len(".json")]: json.loads(p.read_text())
+        for p in out.glob("*.json")
+        if not p.name.startswith("plan-")
+    }
+
+
+def _overlap(a: dict, b: dict) -> bool:
+    return a["start"] < b["end"] and b["start"] < a["end"]
+
+
+def test_device_script_runs_one_run_per_gpu_at_a_time(device_script):
+    run, out = device_script
+    done = run(SIZES="tiny", CASES="base draft ngram", PLUGIN="off on")
+    assert "lanes (CUDA_VISIBLE_DEVICES): 0 1" in done.stdout, done.stdout + done.stderr
+    runs = _runs(out)
+    assert sorted(runs) == sorted(
+        f"tiny-{c}-{p}" for c in ("base", "draft", "ngram") for p in ("off", "on")
+    )
+    lanes = {r["lane"] for r in runs.values()}
+    assert lanes == {"0", "1"}
+    pairs = [(a, b) for a in runs.values() for b in runs.values() if a is not b]
+    assert not [(a, b) for a, b in pairs if a["lane"] == b["lane"] and _overlap(a, b)]
+    assert [(a, b) for a, b in pairs if a["lane"] != b["lane"] and _overlap(a, b)]
+    assert (out / "bench" / "results" / "vllm_graph_memory.md").exists()
+    assert "SUMMARY: all runs ok=True (6/6)" in done.stdout
+
+
+def test_device_script_runs_a_load_case_on_one_gpu(device_script):
+    run, out = device_script
+    done = run(MODE="load", SIZES="tiny", CASES="base draft", LOAD_REQUESTS="8")
+    runs = _runs(out)
+    assert sorted(runs) == sorted(
+        f"tiny-{c}-{p}-load" for c in ("base", "draft") for p in ("off", "on")
+    )
+    for case in ("base", "draft"):
+        off, on = runs[f"tiny-{case}-off-load"], runs[f"tiny-{case}-on-load"]
+        assert off["lane"] == on["lane"] and off["end"] <= on["start"]
+        assert "--load-requests" in off["argv"] and "8" in off["argv"]
+    assert runs["tiny-base-off-load"]["lane"] != runs["tiny-draft-off-load"]["lane"]
+    assert (out / "bench" / "results" / "vllm_load.md").exists(), done.stdout + done.stderr
+
+
+def test_device_script_tight_mode_plans_from_the_calibration(device_script):
+    run, out = device_script
+    done = run(MODE="tight", SIZES="tiny", CAPTURE="small")
+    runs = _runs(out)
+    calibration = {f"tiny-base-{p}-small-peak" for p in ("off", "on")}
+    tight = {f"tiny-base-{p}-small-tight" for p in ("off", "on", "noest")}
+    assert set(runs) == calibration | tight, done.stdout + done.stderr
+    plan = json.loads((out / "plan-tiny-base-small.json").read_text())
+    # The fake runs need 150 - 100 + 27 (off) and 150 - 100 + 0 (on) MiB.
+    assert plan["margin_bytes"] == (77 + 50) * MiB // 2
+    assert min(r["start"] for n, r in runs.items() if n in tight) >= max(
+        r["end"] for n, r in runs.items() if n in calibration
+    )
+    for name in tight:
+        assert runs[name]["gpu_memory_utilization"] == plan["gpu_memory_utilization"]
+        assert "--workload" in runs[name]["argv"] and "peak" in runs[name]["argv"]
+    assert "tight plan: gpu_memory_utilization=" in done.stdout
+    assert "## Tight memory" in (out / "bench" / "results" / "vllm_graph_memory.md").read_text()
+
+
+def test_device_script_skips_runs_past_the_budget(device_script):
+    run, out = device_script
+    done = run(SIZES="tiny", CASES="base", BUDGET="40")
+    assert sorted((out / "skipped.txt").read_text().split()) == ["tiny-base-off", "tiny-base-on"]
+    assert not _runs(out)
+    assert (out / "bench" / "results" / "vllm_graph_memory.json").exists(), done.stdout
+
+
+def test_device_script_packs_tensor_parallel_gpu_groups(device_script):
+    run, out = device_script
+    done = run(SIZES="tiny", CASES="base", TP="2", FAKE_GPUS="4")
+    assert "lanes (CUDA_VISIBLE_DEVICES): 0,1 2,3" in done.stdout, done.stdout + done.stderr
+    runs = _runs(out)
+    assert {r["lane"] for r in runs.values()} == {"0,1", "2,3"}
+    assert set(runs) == {"tiny-base-off-tp2", "tiny-base-on-tp2"}
+    assert all("--tp" in r["argv"] for r in runs.values())
+    limited = run(SIZES="tiny", CASES="base", PLUGIN="on", CUDA_VISIBLE_DEVICES="3,1")
+    assert "lanes (CUDA_VISIBLE_DEVICES): 3 1" in limited.stdout, limited.stdout
+    refused = run(TP="2", FAKE_GPUS="1")
+    assert refused.returncode == 2 and "TP=2 needs 2 GPUs" in refused.stdout
+
+
 # ---- tensor parallelism (--tp > 1) ----------------------------------------------
 
 e2e_worker = _load("e2e_worker")
