@@ -200,8 +200,9 @@ def fake_run(
         "plugin_report": run_llm.plugin_report(runner),
     }
 
-    def generate(requests: list) -> list[list[int]]:
+    def generate(requests: list, sampling: dict | None = None) -> list[list[int]]:
         cuda.take(step)
+        result.setdefault("sampled_with", []).append(sampling)
         return [list(t) for t in tokens]
 
     llm = SimpleNamespace(get_metrics=lambda: fake_metrics(10, 30, 12))
@@ -548,6 +549,12 @@ def test_wrappers_record_the_workers_budget_and_the_step():
     assert m["step_reserved_peak_bytes"] == 150 * MiB
     assert memory_budget.need_bytes(m) == (150 - 100 + 27) * MiB
     assert r["tokens"] == [[1, 2]] and r["spec"]["acceptance_rate"] == 0.4
+    assert r["sampled_with"] == [None]  # greedy
+    peak = fake_run(
+        "1b", "base", "on", est=1, retained=0, actual=1, kv=1 << 30, tokens=[[1]], workload="peak"
+    )
+    assert peak["sampled_with"] == [workloads.PEAK_SAMPLING]
+    assert peak["sampled_with"][0]["logprobs"] and "prompt_logprobs" not in peak["sampled_with"][0]
 
 
 def test_no_estimate_switch_leaves_the_graphs_out_of_the_budget(monkeypatch):
@@ -651,6 +658,14 @@ def test_tight_plan_puts_the_limit_between_the_needs(tmp_path, capsys):
     same = memory_budget.tight_plan({"off": mems["on"], "on": mems["on"]})
     assert same["margin_bytes"] == 50 * MiB + memory_budget.SEPARATION_MARGIN_BYTES
     assert "both should fit" in same["reason"]
+    # A step well inside the headroom: off needs no margin, and none can be below 0.
+    roomy = _calibration(step=50 * MiB)
+    plan0 = memory_budget.tight_plan({s: r["mem"] for s, r in roomy.items()})
+    assert plan0["need_bytes"] == {"off": -23 * MiB, "on": -50 * MiB}
+    assert plan0["margin_bytes"] == 0 and "off needs no margin" in plan0["reason"]
+    split = _calibration(step=80 * MiB)  # needs: off +7, on -20 MiB; halfway is below 0
+    plan_split = memory_budget.tight_plan({s: r["mem"] for s, r in split.items()})
+    assert plan_split["margin_bytes"] == 0 and plan_split["reason"].startswith("halfway")
     with pytest.raises(ValueError, match="calibration run 'on' lacks budget figures"):
         memory_budget.tight_plan({"off": mems["off"], "on": {}})
 

@@ -139,9 +139,10 @@ def tight_plan(
     figures, taken at the size's usual utilization with the full-step workload.
     The margin left below the free memory is ``margin_bytes`` if given, else
     halfway between the two runs' needs (:func:`need_bytes`), so that the run
-    that needs more runs out of memory and the other does not. When off does
-    not need more than on, both get their need plus a few MiB, and what tells
-    them apart is the KV tokens.
+    that needs more runs out of memory and the other does not. vLLM refuses a
+    limit above the free memory, so the margin is at least 0: when off needs
+    none, both should run. When off does not need more than on, both get their
+    need plus a few MiB, and what tells them apart is the KV tokens.
 
     Raises ValueError naming the missing figures when a run lacks them."""
     need: dict[str, int] = {}
@@ -158,13 +159,19 @@ def tight_plan(
     total = calibration["off"]["init_total_bytes"]
     if margin_bytes is not None:
         margin, reason = margin_bytes, "margin given"
+    elif need["off"] <= 0 < need["off"] - need["on"]:
+        # vLLM refuses a limit above the free memory, so no margin is below 0.
+        margin = 0
+        reason = (
+            "off needs no margin (its step left more of the headroom unused than it "
+            "held over budget): the limit at the free memory, both should run"
+        )
     elif need["off"] > need["on"]:
-        margin = (need["off"] + need["on"]) // 2
-        reason = "halfway between the off and on runs' needs"
+        margin = max((need["off"] + need["on"]) // 2, 0)
+        reason = "halfway between the off and on runs' needs (at least 0)"
     else:
-        margin = max(need.values()) + SEPARATION_MARGIN_BYTES
+        margin = max(max(need.values()) + SEPARATION_MARGIN_BYTES, 0)
         reason = "off needs no more than on: both should fit; compare KV tokens"
-    margin = max(margin, 0)
     return {
         "gpu_memory_utilization": (init_free - margin) / total,
         "margin_bytes": margin,

@@ -428,9 +428,10 @@ def run_workload(
         result["generate_s"] = sum(r["wall_s"] for r in load["repeats"])
         return
     requests = workload_requests(args, preset, vocab)
+    sampling = workloads.PEAK_SAMPLING if args.workload == "peak" else None
     t0 = time.time()
     with workloads.measure_step(cuda, mem) if mem is not None else nullcontext():
-        result["tokens"] = generate(requests)
+        result["tokens"] = generate(requests, sampling)
     result["generate_s"] = round(time.time() - t0, 2)
     try:
         counters = workloads.read_spec_counters(llm.get_metrics())
@@ -647,10 +648,13 @@ def main() -> int:
         result["stage"] = "generate"
         dump()  # keep the start-up figures even if generation is cut off
 
-        def generate(requests: list[workloads.Request]) -> list[list[int]]:
+        def generate(
+            requests: list[workloads.Request], sampling: dict[str, Any] | None = None
+        ) -> list[list[int]]:
             prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in requests]
+            how = sampling if sampling is not None else {"temperature": 0.0}
             params = [
-                SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+                SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False, **how)
                 for _, n in requests
             ]
             outs = llm.generate(prompts, params, use_tqdm=False)

@@ -4,7 +4,9 @@
 * ``smoke``: 6 prompts, 32 greedy tokens each (the workload of the earlier runs).
 * ``peak``: one full step first: ``max_num_seqs`` prompts whose lengths add up
   to ``max_num_batched_tokens`` (the shape of vLLM's profile run), 16 tokens
-  each. The driver-level bytes that step takes from rest are measured.
+  each, sampled with the features of vLLM's sampler warm-up
+  (:data:`PEAK_SAMPLING`). The driver-level bytes the generate takes from rest
+  are measured.
 * ``load``: a few hundred requests of mixed prompt and output lengths (seeded),
   all submitted at once, after a warm-up generate; the timed generate runs
   ``repeats`` times and only ``generate()`` is timed. Batches shrink as
@@ -12,8 +14,8 @@
   interleaved.
 
 A request is ``(prompt token ids, max_tokens)``; ``generate`` turns requests
-into greedy token ids (``ignore_eos``), so this module needs neither vLLM nor
-a GPU and is tested on a CPU.
+into token ids (``ignore_eos``; greedy unless given sampling keywords), so
+this module needs neither vLLM nor a GPU and is tested on a CPU.
 """
 
 from __future__ import annotations
@@ -27,15 +29,36 @@ from contextlib import contextmanager
 from typing import Any
 
 Request = tuple[list[int], int]
-Generate = Callable[[list[Request]], list[list[int]]]
+# generate(requests, sampling): greedy token ids; ``sampling`` (SamplingParams
+# keywords) replaces greedy decoding when given.
+Generate = Callable[..., list[list[int]]]
 
 WORKLOADS = ("smoke", "peak", "load")
 PEAK_MAX_TOKENS = 16
+# The full step samples with the features of vLLM's own sampler warm-up
+# (SamplingParams.for_sampler_warmup), whose fp32 pipeline vLLM's profile run
+# budgets as activation headroom; greedy sampling would leave most of that
+# headroom unused and hide what the budget missed. Prompt logprobs, bad words and
+# watermarking are left out: the profile does not budget the first, and the
+# others add nothing to the peak. Seeded, so both switches sample the same.
+PEAK_SAMPLING: dict[str, Any] = {
+    "temperature": 0.9,
+    "top_p": 0.9,
+    "top_k": 50,
+    "min_p": 0.1,
+    "frequency_penalty": 0.5,
+    "presence_penalty": 0.5,
+    "repetition_penalty": 1.2,
+    "logit_bias": {0: -1.0, 1: 0.5},
+    "logprobs": 5,
+    "seed": 0,
+}
 LOAD_MIN_LEN = 16
 LOAD_WARMUP_REQUESTS = 16
 LOAD_WARMUP_MAX_TOKENS = 32
 
 __all__ = [
+    "PEAK_SAMPLING",
     "WORKLOADS",
     "counter_delta",
     "free_at_rest",
