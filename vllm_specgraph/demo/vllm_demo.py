@@ -230,9 +230,9 @@ def format_report(on: dict[str, Any], off: dict[str, Any] | None = None) -> str:
         ),
         row("  the plugin's graph estimate, per owner", "", _mib(graphs) + _owners(owners)),
         row(
-            "  kept once by the process (one-time)",
+            "  kept by the process: one-time; left after",
             "",
-            _mib(estimate.get("one_time_bytes")),
+            f"{_mib(estimate.get('one_time_bytes'))}; {_mib(estimate.get('retained_bytes'))}",
         ),
         row("graphs taken by the production capture", "", _mib(taken) + _owners(actual)),
         row(
