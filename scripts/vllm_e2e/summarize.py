@@ -646,36 +646,20 @@ def runs_ok(kinds: dict[str, dict[Key, Run]], skipped: list[str]) -> bool:
     return bool(needed) and not skipped and all(r.get("ok") for r in needed)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("outdir")
-    ap.add_argument("--results", help="where to write the table (default OUTDIR/bench/results)")
-    ap.add_argument(
-        "--previous",
-        help="an earlier vllm_graph_memory.json to carry rows from (and vllm_load.json next to it)",
-    )
-    args = ap.parse_args(argv)
-    outdir = args.outdir
-    results_dir = args.results or os.path.join(outdir, "bench", "results")
+def print_rows(label: str, rows: list[dict], module: Any, first: int) -> None:
+    """Each row's check, then its cells from column ``first`` on."""
+    for r in rows:
+        cells = dict(zip(module.COLUMNS, module.row_cells(r), strict=True))
+        print(f"[{label}{r['size']}/{r['case']}] {cells['check']}")
+        for col in module.COLUMNS[first:-1]:
+            print(f"    {col}: {cells[col]}")
 
-    kinds = load_runs(outdir)
+
+def graph_memory_doc(
+    kinds: dict[str, dict[Key, Run]], outdir: str, skipped: list[str]
+) -> dict[str, Any]:
     runs = kinds["memory"]
-    skipped: list[str] = []
-    skipped_txt = os.path.join(outdir, "skipped.txt")
-    if os.path.exists(skipped_txt):
-        with open(skipped_txt) as f:
-            skipped = [line.strip() for line in f if line.strip()]
-    print("=" * 72)
-    print("vLLM 0.33.0 end-to-end on the GPU (MRV2, FULL CUDA graphs, Triton attention)")
-    print("=" * 72)
-    if not any(kinds.values()):
-        print(f"no run results in {outdir}")
-    for kind, these in kinds.items():
-        for key in sorted(these, key=lambda k: (group_order(k[0]), CASES.index(k[1]), k[2])):
-            print_run(key if kind == "memory" else (*key, kind), these[key])
-    spec_eq = compare_tokens(runs)
-
-    doc: dict[str, Any] = {
+    return {
         "schema": SCHEMA,
         "generated_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
         "targets": {
@@ -693,32 +677,9 @@ def main(argv: list[str] | None = None) -> int:
         ],
         "skipped": skipped,
     }
-    mine = doc["rows"] + doc["tight_rows"]
-    if args.previous and os.path.exists(args.previous):
-        with open(args.previous) as f:
-            prev = json.load(f)
-        if prev.get("schema") in READABLE_SCHEMAS:
-            carry_over(doc, prev, args.previous)
-    doc["sizes"] = dict(sorted(doc["sizes"].items(), key=lambda kv: group_order(kv[0])))
-    doc["rows"].sort(key=row_order)
-    doc["tight_rows"].sort(key=row_order)
 
-    print("-" * 72)
-    print("plugin off vs on (MiB unless stated)")
-    for r in doc["rows"]:
-        if r not in mine:
-            continue
-        c = dict(zip(summarize_table.COLUMNS, summarize_table.row_cells(r), strict=True))
-        print(f"[{r['size']}/{r['case']}] {c['check']}")
-        for col in summarize_table.COLUMNS[3:-1]:
-            print(f"    {col}: {c[col]}")
-    for r in doc["tight_rows"]:
-        if r not in mine:
-            continue
-        c = dict(zip(summarize_tight.COLUMNS, summarize_tight.row_cells(r), strict=True))
-        print(f"[tight {r['size']}/{r['case']}] {c['check']}")
-        for col in summarize_tight.COLUMNS[2:-1]:
-            print(f"    {col}: {c[col]}")
+
+def write_graph_memory(doc: dict[str, Any], results_dir: str) -> None:
     os.makedirs(results_dir, exist_ok=True)
     jpath = os.path.join(results_dir, f"{RESULTS_NAME}.json")
     mpath = os.path.join(results_dir, f"{RESULTS_NAME}.md")
@@ -729,19 +690,59 @@ def main(argv: list[str] | None = None) -> int:
         f.write(summarize_table.markdown(doc))
     print(f"wrote {jpath} and {mpath} ({len(doc['rows'])} rows, {len(doc['tight_rows'])} tight)")
 
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("outdir")
+    ap.add_argument("--results", help="where to write the table (default OUTDIR/bench/results)")
+    ap.add_argument(
+        "--previous",
+        help="an earlier vllm_graph_memory.json to carry rows from (and vllm_load.json next to it)",
+    )
+    args = ap.parse_args(argv)
+    outdir = args.outdir
+    results_dir = args.results or os.path.join(outdir, "bench", "results")
+
+    kinds = load_runs(outdir)
+    skipped: list[str] = []
+    skipped_txt = os.path.join(outdir, "skipped.txt")
+    if os.path.exists(skipped_txt):
+        with open(skipped_txt) as f:
+            skipped = [line.strip() for line in f if line.strip()]
+    print("=" * 72)
+    print("vLLM 0.33.0 end-to-end on the GPU (MRV2, FULL CUDA graphs, Triton attention)")
+    print("=" * 72)
+    if not any(kinds.values()):
+        print(f"no run results in {outdir}")
+    for kind, these in kinds.items():
+        for key in sorted(these, key=lambda k: (group_order(k[0]), CASES.index(k[1]), k[2])):
+            print_run(key if kind == "memory" else (*key, kind), these[key])
+    spec_eq = compare_tokens(kinds["memory"])
+
+    doc = graph_memory_doc(kinds, outdir, skipped)
+    rows, tight_rows = list(doc["rows"]), list(doc["tight_rows"])
+    if args.previous and os.path.exists(args.previous):
+        with open(args.previous) as f:
+            prev = json.load(f)
+        if prev.get("schema") in READABLE_SCHEMAS:
+            carry_over(doc, prev, args.previous)
+    doc["sizes"] = dict(sorted(doc["sizes"].items(), key=lambda kv: group_order(kv[0])))
+    doc["rows"].sort(key=row_order)
+    doc["tight_rows"].sort(key=row_order)
+    print("-" * 72)
+    print("plugin off vs on (MiB unless stated)")
+    print_rows("", sorted(rows, key=row_order), summarize_table, 3)
+    print_rows("tight ", sorted(tight_rows, key=row_order), summarize_tight, 2)
+    write_graph_memory(doc, results_dir)
+
     loads = load_rows(kinds["load"])
-    mine += loads
     if loads:
         prev_load = None
         if args.previous:
             prev_load = os.path.join(
                 os.path.dirname(args.previous), f"{summarize_load.RESULTS_NAME}.json"
             )
-        for r in loads:
-            c = dict(zip(summarize_load.COLUMNS, summarize_load.row_cells(r), strict=True))
-            print(f"[load {r['size']}/{r['case']}] {c['check']}")
-            for col in summarize_load.COLUMNS[2:-1]:
-                print(f"    {col}: {c[col]}")
+        print_rows("load ", loads, summarize_load, 2)
         paths = summarize_load.write(loads, results_dir, prev_load)
         print(f"wrote {paths[0]} and {paths[1]} ({len(loads)} rows)")
 
@@ -749,6 +750,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped for lack of time: {' '.join(skipped)}")
     ran = runs_ok(kinds, skipped)
     all_runs = [r for these in kinds.values() for r in these.values()]
+    mine = rows + tight_rows + loads  # this invocation's rows decide
     passed = sum(r["pass"] for r in mine)
     print(
         f"SUMMARY: all runs ok={ran} ({sum(bool(r.get('ok')) for r in all_runs)}/"
