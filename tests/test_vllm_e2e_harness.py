@@ -849,6 +849,7 @@ def test_summarize_noest_capture_sets_tight_and_load(tmp_path, capsys):
         load["gpu"] = {"visible_devices": "1"}
         write(load, f"load-{switch}")
 
+    (out / "gpu.txt").write_text("0, NVIDIA H200, 143771 MiB\n1, NVIDIA H200, 143771 MiB\n")
     res = tmp_path / "res"
     assert summarize.main([str(out), "--results", str(res)]) == 0  # off and noest may stop
     doc = json.loads((res / "vllm_graph_memory.json").read_text())
@@ -865,6 +866,7 @@ def test_summarize_noest_capture_sets_tight_and_load(tmp_path, capsys):
     assert "| 1b | default | base | 41.0 / 30.0 / 0.0 | 34.0 |" in md
     assert "| -27.0 / 0.0 / -68.0 | 27.0 / 0.0 / 68.0 |" in md
     assert "| 1b-small | small | base |" in md
+    assert "on 0, NVIDIA H200, 143771 MiB; 1, NVIDIA H200, 143771 MiB, torch" in md
 
     (tight,) = doc["tight_rows"]
     assert (tight["size"], tight["case"], tight["pass"]) == ("1b", "base", True)

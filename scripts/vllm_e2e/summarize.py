@@ -400,7 +400,7 @@ def size_meta(size: str, runs: dict[Key, Run], outdir: str) -> dict:
     smi = None
     if os.path.exists(gpu_txt):
         with open(gpu_txt) as f:
-            smi = f.read().strip() or None
+            smi = "; ".join(line.strip() for line in f if line.strip()) or None
     kw = next((r["llm_kwargs"] for r in mine if isinstance(r.get("llm_kwargs"), dict)), {})
     res = next((r["resolved"] for r in mine if isinstance(r.get("resolved"), dict)), {})
     cc = kw.get("compilation_config") or {}
