@@ -137,17 +137,19 @@ for g in $GPUS; do
   if [ "${#group[@]}" -eq "$TP" ]; then LANES+=("$(IFS=,; echo "${group[*]}")"); group=(); fi
 done
 [ "${#LANES[@]}" -gt 0 ] || { echo "TP=$TP needs $TP GPUs, GPUS lists '$GPUS'"; exit 2; }
+# The cores this script may use (a container's may not start at 0), dealt out
+# in equal runs; a lane whose list taskset refuses is not pinned.
+read -r -a CPUS <<< "$(python3 -c 'import os; print(*sorted(os.sched_getaffinity(0)))' 2>/dev/null)"
+per_lane=$(( ${#CPUS[@]} / ${#LANES[@]} ))
 PIN=()
-ncpu=$(nproc 2>/dev/null || echo 1)
-per_lane=$(( ncpu / ${#LANES[@]} ))
 for i in "${!LANES[@]}"; do
+  PIN[$i]=""
   if [ "${#LANES[@]}" -gt 1 ] && [ "$per_lane" -ge 2 ] && command -v taskset >/dev/null; then
-    PIN[$i]="taskset -c $(( i * per_lane ))-$(( (i + 1) * per_lane - 1 ))"
-  else
-    PIN[$i]=""
+    cores=$(IFS=,; echo "${CPUS[*]:$(( i * per_lane )):$per_lane}")
+    taskset -c "$cores" true 2>/dev/null && PIN[$i]="taskset -c $cores"
   fi
 done
-echo "mode $MODE; lanes (CUDA_VISIBLE_DEVICES): ${LANES[*]}; cores per lane: ${per_lane}"
+echo "mode $MODE; lanes (CUDA_VISIBLE_DEVICES): ${LANES[*]}; pinned to: ${PIN[*]:-(not pinned)}"
 mkdir -p "$OUTDIR"
 rm -f "$OUTDIR/skipped.txt"
 
