@@ -891,6 +891,7 @@ def test_summarize_noest_capture_sets_tight_and_load(tmp_path, capsys):
     assert "| 1b | draft | 4 |" in load_md and "| 1.010 |" in load_md
     printed = capsys.readouterr().out
     assert "[tight 1b/base] PASS" in printed and "[load 1b/draft] PASS" in printed
+    assert "baseline 1b/off:" in printed and "baseline 1b-peak" not in printed
 
     # A later invocation of another case of the same size, and of one tight case,
     # keeps the other rows, each with its date.
