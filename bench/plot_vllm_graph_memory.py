@@ -2,8 +2,9 @@
 
     python bench/plot_vllm_graph_memory.py [JSON [SIZE ...]]
 
-JSON defaults to bench/results/vllm_graph_memory.json; SIZEs (tiny, 1b) pick
-the rows to draw, all by default.
+JSON defaults to bench/results/vllm_graph_memory.json; SIZEs pick the rows to
+draw by their size group (tiny, 1b, 1b-small, ...; tight-memory rows are not
+drawn), all by default.
 
 Reads the JSON that scripts/vllm_e2e/summarize.py writes from the runs on the
 GPU machine and writes a PNG next to it: for each (size, speculator), with the

@@ -3,27 +3,53 @@
 # copy that holds .e2e/ (built beforehand by scripts/prepare-vllm-e2e.sh):
 #
 #   bash scripts/device-vllm-e2e.sh                                     # tiny, 8 runs
-#   SIZES=1b CASES="base draft eagle" bash scripts/device-vllm-e2e.sh   # 1B, 6 runs
+#   SIZES=1b CASES="base draft eagle" PLUGIN="off on noest" \
+#     bash scripts/device-vllm-e2e.sh                                   # 1B, 9 runs
+#   MODE=tight bash scripts/device-vllm-e2e.sh                          # 1B base at the limit
+#   MODE=load bash scripts/device-vllm-e2e.sh                           # 1B draft model, 256 requests
+#   MODE=demo bash scripts/device-vllm-e2e.sh                           # make demo, through vLLM's tree
 #   TP=2 SIZES=tiny CASES="base draft eagle" PLUGIN="off on" \
-#     bash scripts/device-vllm-e2e.sh                                   # 2 GPUs, 6 runs
+#     bash scripts/device-vllm-e2e.sh                                   # 2 GPUs per run, 6 runs
 #
 # Unpacks vLLM 0.33.0's Python tree and the carried wheels under /tmp, applies
 # the stand-ins (scripts/vllm_e2e/apply_shims.py), installs this repository as a
 # package into the same site dir (scripts/vllm_e2e/install_plugin.py: its
 # vllm.general_plugins entry point must resolve to that copy), then runs an
-# offline LLM with dummy weights once per (size, case, plugin switch), each in
-# its own process with its own time limit, and prints a summary last
-# (scripts/vllm_e2e/summarize.py), with the plugin off and on side by side.
-# Logs and JSON files go to $OUT (or /tmp/vllm-e2e-out): SIZE-CASE-PLUGIN.json
-# and .log per run (SIZE-CASE-PLUGIN-tpN.* at TP > 1), and
-# bench/results/vllm_graph_memory.{json,md}.
+# offline LLM with dummy weights once per (size, capture-size set, case, plugin
+# switch), each in its own process with its own time limit, one run per GPU at a
+# time and as many at once as there are GPUs, and prints a summary last
+# (scripts/vllm_e2e/summarize.py). Logs and JSON files go to $OUT (or
+# /tmp/vllm-e2e-out): SIZE-CASE-PLUGIN[-small][-peak|-tight|-load][-tpN].json and
+# .log per run, and bench/results/vllm_graph_memory.{json,md} (vllm_load.* in
+# MODE=load).
 #
 # Env knobs:
-#   SIZES="tiny"                   tiny | 1b (configs/tiny-llama, configs/llama-1b)
+#   MODE=bench                     bench: every run once, smoke workload (6 prompts)
+#                                  tight: calibration runs (off, on; one full step),
+#                                    then every PLUGIN switch at the utilization that
+#                                    scripts/vllm_e2e/memory_budget.py computes from them
+#                                  load: 256 mixed requests, timed; off and on of a case
+#                                    run one after the other on the same GPU
+#                                  demo: python -m vllm_specgraph.demo.vllm_demo, then
+#                                    the lane self-check
+#   SIZES="tiny"                   tiny | 1b (default 1b in MODE=tight and MODE=load)
 #   CASES="base draft ngram eagle" no speculator | draft model | ngram | EAGLE
-#   PLUGIN="off on"                off: plugin loaded, VLLM_SPECGRAPH=0 | on | none
+#                                  (default base in MODE=tight, draft in MODE=load)
+#   PLUGIN="off on"                off: plugin loaded, VLLM_SPECGRAPH=0 | on | none |
+#                                  noest: off and VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0
+#                                  (default "off on noest" in MODE=tight)
+#   CAPTURE="default"              capture-size sets, one or both: default (the size's:
+#                                  vLLM's default for 1b) | small (1, 2, 4, 8, 16, 32)
+#   GPUS=(every GPU nvidia-smi lists)  GPU indices to run on (default: those of
+#                                  CUDA_VISIBLE_DEVICES if set); at TP=1 one run per
+#                                  GPU at a time, at TP > 1 one run per TP GPUs at a time
+#   TIGHT_MARGIN_MIB=              MODE=tight: margin below the free memory (default:
+#                                  computed from the calibration runs)
+#   LOAD_REQUESTS=256 LOAD_REPEATS=2   MODE=load: requests per generate, timed repeats
 #   T_tiny=90 T_1b=150             wall limit of one run (seconds)
-#   T_FIRST_EXTRA=60               added to the first run: Triton JIT, cold caches
+#   T_FIRST_EXTRA=60               added to a run while no run of its size has ended
+#                                  well: Triton JIT, cold caches
+#   T_LOAD_EXTRA=60                added to a run in MODE=load
 #   BUDGET=570                     seconds for the whole script, setup included; a
 #                                  run's limit is cut to what is left, and a run
 #                                  that would get less than 30 s is skipped, so the
@@ -33,8 +59,8 @@
 #   T_TP_EXTRA=30                  added to every run's limit at TP > 1 (worker
 #                                  start-up, process groups)
 #   CUSTOM_AR=0                    1: at TP > 1, leave vLLM's custom all-reduce on
-#   E2E_WORK=/tmp/vllm-e2e         where vLLM is unpacked; give each of two scripts
-#                                  run at once (say, one per GPU) its own
+#   E2E_WORK=/tmp/vllm-e2e         where vLLM is unpacked (emptied first); one
+#                                  script uses every GPU, so one is enough
 set -uo pipefail
 
 # Exported, so every process below inherits them, vLLM's worker processes at
@@ -42,15 +68,35 @@ set -uo pipefail
 # run records what its workers saw, under ranks[].env).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
+export CUDA_DEVICE_ORDER=PCI_BUS_ID  # CUDA_VISIBLE_DEVICES then counts as nvidia-smi does
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
+E2E="$REPO/scripts/vllm_e2e"
 OUTDIR="${OUT:-/tmp/vllm-e2e-out}"
-W="${E2E_WORK:-/tmp/vllm-e2e}"
-SIZES="${SIZES:-tiny}"
-CASES="${CASES:-base draft ngram eagle}"
-PLUGIN="${PLUGIN:-off on}"
+W="${E2E_WORK:-/tmp/vllm-e2e}"  # work dir, emptied first: site dir, vLLM tree, run cwd
+MODE="${MODE:-bench}"
+case "$MODE" in
+  bench) d_sizes=tiny; d_cases="base draft ngram eagle"; d_plugin="off on" ;;
+  tight) d_sizes=1b; d_cases=base; d_plugin="off on noest" ;;
+  load) d_sizes=1b; d_cases=draft; d_plugin="off on" ;;
+  demo) d_sizes=tiny; d_cases=draft; d_plugin=on ;;
+  *) echo "unknown MODE '$MODE' (bench, tight, load, demo)"; exit 2 ;;
+esac
+SIZES="${SIZES:-$d_sizes}"
+CASES="${CASES:-$d_cases}"
+PLUGIN="${PLUGIN:-$d_plugin}"
+CAPTURE="${CAPTURE:-default}"
+# Default: the GPUs CUDA_VISIBLE_DEVICES names, if set, else every GPU nvidia-smi lists.
+visible="${CUDA_VISIBLE_DEVICES:-}"
+GPUS="${GPUS:-${visible//,/ }}"
+GPUS="${GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | tr '\n' ' ')}"
+GPUS="${GPUS:-0}"
+TIGHT_MARGIN_MIB="${TIGHT_MARGIN_MIB:-}"
+LOAD_REQUESTS="${LOAD_REQUESTS:-256}"
+LOAD_REPEATS="${LOAD_REPEATS:-2}"
 T_tiny="${T_tiny:-90}"
 T_1b="${T_1b:-150}"
 T_FIRST_EXTRA="${T_FIRST_EXTRA:-60}"
+T_LOAD_EXTRA="${T_LOAD_EXTRA:-60}"
 BUDGET="${BUDGET:-570}"
 TP="${TP:-1}"
 T_TP_EXTRA="${T_TP_EXTRA:-30}"
@@ -66,18 +112,44 @@ for c in $CASES; do
   case "$c" in base|draft|ngram|eagle) ;; *) echo "unknown case '$c'"; exit 2 ;; esac
 done
 for p in $PLUGIN; do
-  case "$p" in off|on|none) ;; *) echo "unknown plugin switch '$p' (off, on, none)"; exit 2 ;; esac
+  case "$p" in off|on|none|noest) ;; *) echo "unknown plugin switch '$p' (off, on, none, noest)"; exit 2 ;; esac
+done
+for c in $CAPTURE; do
+  case "$c" in default|small) ;; *) echo "unknown capture-size set '$c' (default, small)"; exit 2 ;; esac
 done
 case "$TP" in ''|*[!0-9]*|0) echo "TP must be a positive integer, got '$TP'"; exit 2 ;; esac
 TP_ARGS=()
 SUFFIX=""
 if [ "$TP" -gt 1 ]; then
-  ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
-  if [ "$ngpu" -lt "$TP" ]; then echo "TP=$TP needs $TP GPUs, nvidia-smi lists $ngpu"; exit 2; fi
   TP_ARGS=(--tp "$TP")
   [ "$CUSTOM_AR" = 1 ] && TP_ARGS+=(--custom-all-reduce)
   SUFFIX="-tp$TP"
 fi
+
+# Lanes: the GPUs one run uses, as CUDA_VISIBLE_DEVICES lists them (one GPU at
+# TP=1, TP consecutive ones of GPUS above). Driver-level memory readings are per
+# GPU, so two runs never share one. With more than one lane each gets its own
+# share of the CPU cores, so that runs side by side do not slow each other.
+LANES=()
+group=()
+for g in $GPUS; do
+  group+=("$g")
+  if [ "${#group[@]}" -eq "$TP" ]; then LANES+=("$(IFS=,; echo "${group[*]}")"); group=(); fi
+done
+[ "${#LANES[@]}" -gt 0 ] || { echo "TP=$TP needs $TP GPUs, GPUS lists '$GPUS'"; exit 2; }
+# The cores this script may use (a container's may not start at 0), dealt out
+# in equal runs; a lane whose list taskset refuses is not pinned.
+read -r -a CPUS <<< "$(python3 -c 'import os; print(*sorted(os.sched_getaffinity(0)))' 2>/dev/null)"
+per_lane=$(( ${#CPUS[@]} / ${#LANES[@]} ))
+PIN=()
+for i in "${!LANES[@]}"; do
+  PIN[$i]=""
+  if [ "${#LANES[@]}" -gt 1 ] && [ "$per_lane" -ge 2 ] && command -v taskset >/dev/null; then
+    cores=$(IFS=,; echo "${CPUS[*]:$(( i * per_lane )):$per_lane}")
+    taskset -c "$cores" true 2>/dev/null && PIN[$i]="taskset -c $cores"
+  fi
+done
+echo "mode $MODE; lanes (CUDA_VISIBLE_DEVICES): ${LANES[*]}; pinned to: ${PIN[*]:-(not pinned)}"
 mkdir -p "$OUTDIR"
 rm -f "$OUTDIR/skipped.txt"
 
@@ -85,9 +157,8 @@ rm -rf "$W" && mkdir -p "$W/site" "$W/tree" "$W/cwd"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --target "$W/site" "$REPO"/.e2e/wheels/*.whl || { echo "wheel install failed"; exit 2; }
 tar xzf "$REPO/.e2e/vllm-py.tar.gz" -C "$W/tree" || { echo "untar failed"; exit 2; }
-python3 "$REPO/scripts/vllm_e2e/apply_shims.py" "$W/tree" || exit 2
-python3 "$REPO/scripts/vllm_e2e/install_plugin.py" "$REPO" "$W/site" \
-  || { echo "plugin install failed"; exit 2; }
+python3 "$E2E/apply_shims.py" "$W/tree" || exit 2
+python3 "$E2E/install_plugin.py" "$REPO" "$W/site" || { echo "plugin install failed"; exit 2; }
 echo "setup took $(( $(date +%s) - t0 )) s"
 
 # The runs start in $W/cwd, not in the repository: vLLM's model-inspection
@@ -101,60 +172,185 @@ export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_V2_MODEL_RUNNER=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export TVM_FFI_DISABLE_TORCH_C_DLPACK=1   # else xgrammar's tvm-ffi JIT-builds a torch addon
 export VLLM_USE_FLASHINFER_SAMPLER=0      # MRV2's sampler imports flashinfer unguarded otherwise
-export TRITON_CACHE_DIR="$W/triton-cache"  # shared by every run below
-unset VLLM_PLUGINS VLLM_SPECGRAPH          # run_llm.py sets them from --plugin
+# Shared by every run below, and kept for the next invocation on this machine
+# (entries are keyed by kernel source and options).
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/vllm-e2e-triton-cache}"
+unset VLLM_PLUGINS VLLM_SPECGRAPH VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS  # run_llm.py sets them
 
-nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader \
+nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version --format=csv,noheader \
   | tee "$OUTDIR/gpu.txt"
 
-first=1
-for size in $SIZES; do
-  tvar="T_$size"
-  for case in $CASES; do
-    for plugin in $PLUGIN; do
-      name="$size-$case-$plugin$SUFFIX"
-      rm -f "$OUTDIR/$name.json" "$OUTDIR/$name.log"
-      left=$(( BUDGET - ($(date +%s) - t0) - RESERVE ))
-      limit="${!tvar}"
-      [ "$first" = 1 ] && limit=$(( limit + T_FIRST_EXTRA ))
-      [ "$TP" -gt 1 ] && limit=$(( limit + T_TP_EXTRA ))
-      [ "$limit" -gt "$left" ] && limit="$left"
-      if [ "$limit" -lt "$MIN_RUN" ]; then
-        echo "---------------- run $name: skipped, ${left} s left of BUDGET=${BUDGET}"
-        echo "$name" >> "$OUTDIR/skipped.txt"
-        continue
-      fi
-      first=0
-      echo "---------------- run $name (limit ${limit} s) ----------------"
-      t1=$(date +%s)
-      # timeout leads its own process group: when it fires it signals the whole
-      # group, vLLM's worker processes included; after the run, whatever of that
-      # group is still alive (workers of a run that exited without shutting
-      # them down) is stopped too, so the next run starts on free GPUs.
-      ( cd "$W/cwd" && exec timeout -k 10 "$limit" python3 "$REPO/scripts/vllm_e2e/run_llm.py" \
-          --size "$size" --case "$case" --plugin "$plugin" ${TP_ARGS[@]+"${TP_ARGS[@]}"} \
-          --out "$OUTDIR/$name.json" ) > "$OUTDIR/$name.log" 2>&1 &
-      run_pid=$!
-      wait "$run_pid"
-      rc=$?
-      if [ "$TP" -gt 1 ]; then
-        kill -TERM -- "-$run_pid" 2>/dev/null && sleep 2
-        kill -KILL -- "-$run_pid" 2>/dev/null
-        for _ in $(seq 1 20); do
-          gpu_left=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | grep -c .)
-          [ "$gpu_left" = 0 ] && break
-          sleep 1
+if [ "$MODE" = demo ]; then
+  left=$(( BUDGET - ($(date +%s) - t0) - RESERVE ))
+  ( cd "$W/cwd" && CUDA_VISIBLE_DEVICES="${LANES[0]}" exec timeout -k 10 "$left" \
+      python3 -m vllm_specgraph.demo.vllm_demo --configs "$REPO/configs" --out-dir "$OUTDIR/demo" ) \
+    2>&1 | tee "$OUTDIR/demo.log"
+  rc=${PIPESTATUS[0]}
+  ( cd "$W/cwd" && CUDA_VISIBLE_DEVICES="${LANES[0]}" exec python3 -m vllm_specgraph.selfcheck ) \
+    2>&1 | tee -a "$OUTDIR/demo.log"
+  [ "${PIPESTATUS[0]}" = 0 ] && exit "$rc"
+  exit 1
+fi
+
+# Processes still on the GPUs of lane $1 ("0,1"); nvidia-smi lists them by GPU UUID.
+lane_gpu_processes() {
+  local pattern=() index uuid
+  while IFS=', ' read -r index uuid; do
+    case ",$1," in *",$index,"*) pattern+=(-e "$uuid") ;; esac
+  done < <(nvidia-smi --query-gpu=index,uuid --format=csv,noheader 2>/dev/null)
+  [ "${#pattern[@]}" -gt 0 ] || { echo 0; return; }
+  nvidia-smi --query-compute-apps=gpu_uuid --format=csv,noheader 2>/dev/null | grep -c -F "${pattern[@]}"
+}
+
+plan_file() {  # size case capture
+  local small=""
+  [ "$3" = small ] && small="-small"
+  echo "$OUTDIR/plan-$1-$2$small$SUFFIX.json"
+}
+
+# One run: "size:case:plugin:capture:workload:tight", on lane $1.
+run_one() {
+  local lane_index=$1 lane=${LANES[$1]} size case plugin capture workload tight
+  IFS=: read -r size case plugin capture workload tight <<< "$2"
+  local name="$size-$case-$plugin" args=(--capture "$capture" --workload "$workload")
+  [ "$capture" = small ] && name+="-small"
+  if [ "$tight" = 1 ]; then
+    name+="-tight"
+    args+=(--tight-plan "$(plan_file "$size" "$case" "$capture")")
+  elif [ "$workload" != smoke ]; then
+    name+="-$workload"
+  fi
+  [ "$workload" = load ] && args+=(--load-requests "$LOAD_REQUESTS" --load-repeats "$LOAD_REPEATS")
+  name+="$SUFFIX"
+  rm -f "$OUTDIR/$name.json" "$OUTDIR/$name.log"
+  local tvar="T_$size" left limit
+  left=$(( BUDGET - ($(date +%s) - t0) - RESERVE ))
+  limit="${!tvar}"
+  [ -e "$W/warm-$size" ] || limit=$(( limit + T_FIRST_EXTRA ))
+  [ "$workload" = load ] && limit=$(( limit + T_LOAD_EXTRA ))
+  [ "$TP" -gt 1 ] && limit=$(( limit + T_TP_EXTRA ))
+  [ "$limit" -gt "$left" ] && limit="$left"
+  if [ "$limit" -lt "$MIN_RUN" ]; then
+    echo "---------------- run $name: skipped, ${left} s left of BUDGET=${BUDGET}"
+    echo "$name" >> "$OUTDIR/skipped.txt"
+    return
+  fi
+  echo "---------------- run $name on GPU $lane (limit ${limit} s) ----------------"
+  local t1 rc run_pid
+  t1=$(date +%s)
+  # timeout leads its own process group: when it fires it signals the whole
+  # group, vLLM's worker processes included; after the run, whatever of that
+  # group is still alive (workers of a run that exited without shutting them
+  # down) is stopped too, so the next run on this lane starts on free GPUs.
+  ( cd "$W/cwd" && export CUDA_VISIBLE_DEVICES="$lane" \
+      && exec ${PIN[$lane_index]} timeout -k 10 "$limit" python3 "$E2E/run_llm.py" \
+        --size "$size" --case "$case" --plugin "$plugin" "${args[@]}" \
+        ${TP_ARGS[@]+"${TP_ARGS[@]}"} --out "$OUTDIR/$name.json" ) > "$OUTDIR/$name.log" 2>&1 &
+  run_pid=$!
+  wait "$run_pid"
+  rc=$?
+  if [ "$TP" -gt 1 ]; then
+    kill -TERM -- "-$run_pid" 2>/dev/null && sleep 2
+    kill -KILL -- "-$run_pid" 2>/dev/null
+    local gpu_left=0
+    for _ in $(seq 1 20); do
+      gpu_left=$(lane_gpu_processes "$lane")
+      [ "$gpu_left" = 0 ] && break
+      sleep 1
+    done
+    [ "$gpu_left" = 0 ] || echo "after $name: $gpu_left processes still on GPU $lane"
+  fi
+  [ "$rc" = 0 ] && touch "$W/warm-$size"
+  # One write per finished run, so that lanes running side by side do not interleave.
+  local report
+  report=$(
+    echo "run $name rc=$rc elapsed=$(( $(date +%s) - t1 )) s ($(( $(date +%s) - t0 )) s since start)"
+    grep -aE "Error|Traceback|CUDA graph|Graph capturing|KV cache|Model loading|Using V2|Using Attention|TRITON" \
+      "$OUTDIR/$name.log" | cut -c1-300 | tail -12
+    grep -ai "specgraph" "$OUTDIR/$name.log" | cut -c1-300 | tail -20
+  )
+  printf '%s\n' "$report"
+}
+
+# Runs the jobs in JOBS, each on the first free lane; a job is one or more runs
+# (space-separated), run one after the other on that lane. Returns when all ended.
+run_jobs() {
+  local lane_pid=() job i free
+  for job in "${JOBS[@]}"; do
+    free=""
+    while [ -z "$free" ]; do
+      for i in "${!LANES[@]}"; do
+        if [ -z "${lane_pid[$i]:-}" ] || ! kill -0 "${lane_pid[$i]}" 2>/dev/null; then
+          free=$i
+          break
+        fi
+      done
+      [ -n "$free" ] || sleep 1
+    done
+    (
+      for spec in $job; do run_one "$free" "$spec"; done
+    ) &
+    lane_pid[$free]=$!
+  done
+  wait
+}
+
+# Jobs of one phase: every (size, capture set, case); $1 is the workload, $2 the
+# plugin switches, $3 1 for the tight runs; with $4 = together, the switches of a
+# case form one job (they run on one GPU), else one job each.
+make_jobs() {
+  local size capture case plugin job
+  JOBS=()
+  for size in $SIZES; do
+    for capture in $CAPTURE; do
+      for case in $CASES; do
+        [ "$3" = 1 ] && [ ! -e "$(plan_file "$size" "$case" "$capture")" ] && continue
+        job=""
+        for plugin in $2; do
+          if [ "${4:-}" = together ]; then
+            job+="$size:$case:$plugin:$capture:$1:$3 "
+          else
+            JOBS+=("$size:$case:$plugin:$capture:$1:$3")
+          fi
         done
-        [ "$gpu_left" = 0 ] || echo "after $name: $gpu_left GPU processes still listed by nvidia-smi"
-      fi
-      echo "run $name rc=$rc elapsed=$(( $(date +%s) - t1 )) s ($(( $(date +%s) - t0 )) s since start)"
-      grep -aE "Error|Traceback|CUDA graph|Graph capturing|KV cache|Model loading|Using V2|Using Attention|TRITON" \
-        "$OUTDIR/$name.log" | cut -c1-300 | tail -12
-      grep -ai "specgraph" "$OUTDIR/$name.log" | cut -c1-300 | tail -20
+        [ -n "$job" ] && JOBS+=("$job")
+      done
     done
   done
-done
+}
 
-python3 "$REPO/scripts/vllm_e2e/summarize.py" "$OUTDIR" \
+case "$MODE" in
+  bench)
+    make_jobs smoke "$PLUGIN" 0
+    run_jobs
+    ;;
+  load)
+    make_jobs load "$PLUGIN" 0 together
+    run_jobs
+    ;;
+  tight)
+    # Calibration at the size's usual utilization, the same full-step workload.
+    make_jobs peak "off on" 0
+    run_jobs
+    for size in $SIZES; do
+      for capture in $CAPTURE; do
+        for case in $CASES; do
+          base="$size-$case"
+          small=""
+          [ "$capture" = small ] && small="-small"
+          margin=()
+          [ -n "$TIGHT_MARGIN_MIB" ] && margin=(--margin-mib "$TIGHT_MARGIN_MIB")
+          python3 "$E2E/memory_budget.py" plan "$OUTDIR/$base-off$small-peak$SUFFIX.json" \
+            "$OUTDIR/$base-on$small-peak$SUFFIX.json" --out "$(plan_file "$size" "$case" "$capture")" \
+            ${margin[@]+"${margin[@]}"} || echo "no tight runs for $base$small"
+        done
+      done
+    done
+    make_jobs peak "$PLUGIN" 1
+    run_jobs
+    ;;
+esac
+
+python3 "$E2E/summarize.py" "$OUTDIR" \
   --results "$OUTDIR/bench/results" \
   --previous "$REPO/bench/results/vllm_graph_memory.json"

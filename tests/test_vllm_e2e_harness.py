@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import os
 import sys
 from types import ModuleType, SimpleNamespace
@@ -35,6 +36,18 @@ def _load(name: str) -> ModuleType:
 
 run_llm = _load("run_llm")
 summarize = _load("summarize")
+memory_budget = run_llm.memory_budget  # run_llm's own: scripts/vllm_e2e is on sys.path
+workloads = run_llm.workloads
+summarize_load = summarize.summarize_load
+summarize_table = summarize.summarize_table
+summarize_tight = summarize.summarize_tight
+
+
+@pytest.fixture(autouse=True)
+def _no_garbage_collection_at_rest(monkeypatch):
+    """``workloads.free_at_rest`` collects garbage first; with vLLM imported that
+    takes a while and the stand-in GPU does not need it."""
+    monkeypatch.setattr(workloads, "gc", SimpleNamespace(collect=lambda: 0))
 
 
 class FakeCuda:
@@ -45,6 +58,9 @@ class FakeCuda:
     def __init__(self) -> None:
         self.used = 10 << 30
         self.reserved = 0
+        self.allocated = 0
+        self.peak_allocated = 0
+        self.peak_reserved = 0
 
     def synchronize(self) -> None:
         pass
@@ -58,8 +74,35 @@ class FakeCuda:
     def memory_reserved(self) -> int:
         return self.reserved
 
+    def memory_allocated(self) -> int:
+        return self.allocated
+
+    def reset_peak_memory_stats(self) -> None:
+        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+
+    def max_memory_allocated(self) -> int:
+        return self.peak_allocated
+
+    def max_memory_reserved(self) -> int:
+        return self.peak_reserved
+
+    def take(self, nbytes: int) -> None:
+        """A step that keeps ``nbytes`` in the allocator's cache (driver level)."""
+        self.used += nbytes
+        self.reserved += nbytes
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        self.peak_allocated = max(self.peak_allocated, self.allocated + nbytes)
+
+
+HEADROOM = 100 * MiB  # the stand-in worker's activation headroom
+
 
 def fake_classes(cuda: FakeCuda, est: int, retained: int, actual: int, kv: int) -> tuple:
+    """A runner and a worker that move ``cuda`` as vLLM would: the profile leaves
+    ``retained`` taken, the worker sizes the KV cache at ``kv`` (its limit is
+    ``kv + headroom + estimate`` above the snapshot, as vLLM's formula gives
+    with nothing else taken) and allocates it, the capture takes ``actual``."""
+
     class Runner:
         def profile_cudagraph_memory(self) -> int:
             cuda.used += retained  # what the profile leaves taken
@@ -75,10 +118,42 @@ def fake_classes(cuda: FakeCuda, est: int, retained: int, actual: int, kv: int) 
         cudagraph_memory_estimate = est
 
         def determine_available_memory(self) -> int:
+            applied = est if memory_budget.estimate_applied() else 0
+            self.init_snapshot = SimpleNamespace(
+                free_memory=cuda.total - cuda.used, total_memory=cuda.total
+            )
+            self.requested_memory = kv + HEADROOM + applied
+            self.peak_activation_memory = HEADROOM + applied
+            self.available_kv_cache_memory_bytes = kv
             Runner().profile_cudagraph_memory()
+            cuda.used += kv
             return kv
 
     return Runner, Worker
+
+
+def fake_metrics(drafts: int, draft_tokens: int, accepted: int) -> list[SimpleNamespace]:
+    """``llm.get_metrics()`` entries as vLLM's reader makes them."""
+    return [
+        SimpleNamespace(name="vllm:spec_decode_num_drafts", value=drafts),
+        SimpleNamespace(name="vllm:spec_decode_num_draft_tokens", value=draft_tokens),
+        SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=accepted),
+        SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=[5, 4, 3]),
+        SimpleNamespace(name="vllm:num_requests_running", value=0),
+    ]
+
+
+def workload_args(workload: str = "smoke", **kw: Any) -> SimpleNamespace:
+    """run_llm.py's arguments that ``run_workload`` reads."""
+    defaults = {
+        "workload": workload,
+        "max_tokens": 3,
+        "num_prompts": 2,
+        "load_requests": 4,
+        "load_repeats": 2,
+        "seed": 0,
+    }
+    return SimpleNamespace(**(defaults | kw))
 
 
 def fake_run(
@@ -92,8 +167,13 @@ def fake_run(
     kv: int,
     tokens: list[list[int]],
     report: dict | None = None,
+    step: int = 0,
+    workload: str = "smoke",
+    capture: str = "default",
 ) -> dict[str, Any]:
-    """One run_llm.py result built by the harness's own wrappers and helpers."""
+    """One run_llm.py result built by the harness's own wrappers and helpers: the
+    start-up moves the stand-in GPU, then ``run_llm.run_workload`` generates
+    ``tokens`` with a step that keeps ``step`` bytes."""
     cuda = FakeCuda()
     runner_cls, worker_cls = fake_classes(cuda, est, retained, actual, kv)
     mem: dict[str, Any] = {}
@@ -105,26 +185,30 @@ def fake_run(
     runner = SimpleNamespace(specgraph_profile=None)
     if report is not None:
         runner.specgraph_profile = SimpleNamespace(to_dict=lambda: report)
-    return {
+    result: dict[str, Any] = {
         "size": size,
         "case": case,
         "plugin": {"switch": plugin, "wrappers_intact": run_llm.wrappers_intact(installed)},
+        "capture": capture,
+        "workload": workload,
         "ok": True,
         "stage": "done",
         "mem": mem,
         "startup_s": 12.5,
         "resolved": {"num_gpu_blocks": kv // (block_size * 1024), "block_size": block_size},
         "kv_tokens": kv // 1024,
-        "tokens": tokens,
-        "spec": run_llm.spec_summary(
-            {
-                "vllm:spec_decode_num_drafts": 10,
-                "vllm:spec_decode_num_draft_tokens": 30,
-                "vllm:spec_decode_num_accepted_tokens": 12,
-            }
-        ),
         "plugin_report": run_llm.plugin_report(runner),
     }
+
+    def generate(requests: list, sampling: dict | None = None) -> list[list[int]]:
+        cuda.take(step)
+        result.setdefault("sampled_with", []).append(sampling)
+        return [list(t) for t in tokens]
+
+    llm = SimpleNamespace(get_metrics=lambda: fake_metrics(10, 30, 12))
+    preset = run_llm.SIZES[size]
+    run_llm.run_workload(workload_args(workload), preset, 512, generate, llm, cuda, mem, result)
+    return result
 
 
 def test_wrappers_record_estimate_retained_actual_and_kv():
@@ -164,18 +248,28 @@ def test_wrappers_intact_notices_a_replaced_method():
     assert run_llm.wrappers_intact(installed)["capture_model"] is False
 
 
+ESTIMATE_ENV = "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS"
+
+
 @pytest.mark.parametrize(
-    ("switch", "plugins", "specgraph"),
-    [("on", "specgraph", None), ("off", "specgraph", "0"), ("none", "", None)],
+    ("switch", "plugins", "specgraph", "estimate"),
+    [
+        ("on", "specgraph", None, None),
+        ("off", "specgraph", "0", None),
+        ("none", "", None, None),
+        ("noest", "specgraph", "0", "0"),
+    ],
 )
-def test_plugin_switch_sets_the_environment(monkeypatch, switch, plugins, specgraph):
+def test_plugin_switch_sets_the_environment(monkeypatch, switch, plugins, specgraph, estimate):
     for key in ("VLLM_PLUGINS", "VLLM_SPECGRAPH", *run_llm.BASE_ENV):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("VLLM_SPECGRAPH", "0")  # inherited values must not leak through
     monkeypatch.setenv("VLLM_PLUGINS", "other")
+    monkeypatch.setenv(ESTIMATE_ENV, "7")
     env = run_llm.set_env(switch)
-    assert env == {"VLLM_PLUGINS": plugins, "VLLM_SPECGRAPH": specgraph}
+    assert env == {"VLLM_PLUGINS": plugins, "VLLM_SPECGRAPH": specgraph, ESTIMATE_ENV: estimate}
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert memory_budget.estimate_applied() is (switch != "noest")
 
 
 @pytest.fixture
@@ -372,7 +466,8 @@ def test_summarize_table_checks_and_carry_over(tmp_path, capsys):
     assert eagle["status"] == "FAIL (estimate -10.0 %; tokens differ)"
     md = (res / "vllm_graph_memory.md").read_text()
     assert (
-        "| tiny | base | 41.0 | 30.0 | 34.0 | 30.0 | 36.0 | +0.0 % (+0.0) | +13.9 % (+5.0) |" in md
+        "| tiny | default | base | 41.0 / 30.0 | 34.0 | 36.0 / 30.0 "
+        "| +13.9 % (+5.0) / +0.0 % (+0.0) | 32.0 / 4.0 | -27.0 / 0.0 |" in md
     )
     assert "target 30.0 / 30.0" in md and "| PASS |" in md
     printed = capsys.readouterr().out
@@ -407,7 +502,7 @@ def test_summarize_table_checks_and_carry_over(tmp_path, capsys):
         ("1b", "base"),
     ]
     assert list(doc2["sizes"]) == ["tiny", "1b"]
-    assert "| 1b | base |" in (res2 / "vllm_graph_memory.md").read_text()
+    assert "| 1b | default | base |" in (res2 / "vllm_graph_memory.md").read_text()
 
 
 def test_summarize_counts_skipped_runs_as_not_run(tmp_path, capsys):
@@ -424,6 +519,642 @@ def test_summarize_counts_skipped_runs_as_not_run(tmp_path, capsys):
     assert doc["skipped"] == ["tiny-ngram-off", "tiny-ngram-on"]
     assert [r["status"] for r in doc["rows"]] == ["PASS"]
     assert "skipped for lack of time: tiny-ngram-off tiny-ngram-on" in capsys.readouterr().out
+
+
+# ---- budget figures, tight plan, workloads ---------------------------------------
+
+
+def test_wrappers_record_the_workers_budget_and_the_step():
+    r = fake_run(
+        "tiny",
+        "base",
+        "off",
+        est=41 * MiB,
+        retained=32 * MiB,
+        actual=36 * MiB,
+        kv=7 << 30,
+        tokens=[[1, 2]],
+        step=150 * MiB,
+    )
+    m = r["mem"]
+    assert m["requested_bytes"] == (7 << 30) + HEADROOM + 41 * MiB
+    assert m["activation_headroom_bytes"] == HEADROOM
+    assert m["graph_estimate_applied_bytes"] == 41 * MiB
+    assert m["non_kv_bytes"] == HEADROOM
+    assert m["capture_started"] is True
+    # Held since the snapshot: retained + KV + actual; the limit at rest is
+    # requested - headroom = KV + estimate: over by retained + actual - estimate.
+    assert memory_budget.over_budget_bytes(m) == (32 + 36 - 41) * MiB
+    assert memory_budget.step_bytes(m) == 150 * MiB
+    assert m["step_reserved_peak_bytes"] == 150 * MiB
+    assert memory_budget.need_bytes(m) == (150 - 100 + 27) * MiB
+    assert r["tokens"] == [[1, 2]] and r["spec"]["acceptance_rate"] == 0.4
+    assert r["sampled_with"] == [None]  # greedy
+    peak = fake_run(
+        "1b", "base", "on", est=1, retained=0, actual=1, kv=1 << 30, tokens=[[1]], workload="peak"
+    )
+    assert peak["sampled_with"] == [workloads.PEAK_SAMPLING]
+    assert peak["sampled_with"][0]["logprobs"] and "prompt_logprobs" not in peak["sampled_with"][0]
+
+
+def test_no_estimate_switch_leaves_the_graphs_out_of_the_budget(monkeypatch):
+    monkeypatch.setenv(ESTIMATE_ENV, "0")
+    r = fake_run(
+        "tiny",
+        "base",
+        "noest",
+        est=41 * MiB,
+        retained=32 * MiB,
+        actual=36 * MiB,
+        kv=7 << 30,
+        tokens=[[1]],
+    )
+    m = r["mem"]
+    assert m["graph_estimate_applied_bytes"] == 0
+    assert m["activation_headroom_bytes"] == HEADROOM
+    assert memory_budget.over_budget_bytes(m) == (32 + 36) * MiB
+
+
+def test_worker_budget_is_empty_without_a_profile():
+    assert memory_budget.worker_budget(SimpleNamespace(), True) == {}
+    assert memory_budget.over_budget_bytes({"init_free_bytes": 1}) is None
+    assert memory_budget.need_bytes(None) is None
+
+
+@pytest.mark.parametrize(
+    ("run", "kind"),
+    [
+        ({"ok": True}, "ran"),
+        (
+            {"stage": "init", "error": "ValueError('Free memory on device cuda:0 (1/2 GiB)')"},
+            "refused at start-up: free memory below the limit",
+        ),
+        (
+            {"stage": "generate", "error": "OutOfMemoryError('CUDA out of memory. Tried')"},
+            "out of memory in the first full step",
+        ),
+        (
+            {
+                "stage": "init",
+                "error": "torch.OutOfMemoryError()",
+                "mem": {"kv_cache_bytes": 1, "capture_started": True},
+            },
+            "out of memory in the production capture",
+        ),
+        (
+            {"stage": "init", "traceback": "CUDA out of memory", "mem": {"kv_cache_bytes": 1}},
+            "out of memory after KV sizing, before the capture",
+        ),
+        ({"stage": "init", "error": "out of memory"}, "out of memory before KV sizing"),
+        ({"stage": "generate", "error": "KeyError('x')"}, "failed at stage generate"),
+    ],
+)
+def test_failure_kind_names_where_a_run_stopped(run, kind):
+    assert memory_budget.failure_kind(run) == kind
+
+
+def _calibration(step: int = 150 * MiB) -> dict[str, dict]:
+    """off: upstream estimate 41, 32 left taken, 36 captured (27 over budget);
+    on: the plugin's budget 34 = 30 graphs + 4 one-time (0 over)."""
+    off = fake_run(
+        "tiny",
+        "base",
+        "off",
+        est=41 * MiB,
+        retained=32 * MiB,
+        actual=36 * MiB,
+        kv=7 << 30,
+        tokens=[[1]],
+        step=step,
+        workload="peak",
+    )
+    on = fake_run(
+        "tiny",
+        "base",
+        "on",
+        est=34 * MiB,
+        retained=4 * MiB,
+        actual=30 * MiB,
+        kv=7 << 30,
+        tokens=[[1]],
+        step=step,
+        workload="peak",
+        report=_plugin_report({"target": 30 * MiB}, {"target": 30 * MiB}, one_time=4 * MiB),
+    )
+    return {"off": off, "on": on}
+
+
+def test_tight_plan_puts_the_limit_between_the_needs(tmp_path, capsys):
+    runs = _calibration()
+    mems = {s: r["mem"] for s, r in runs.items()}
+    plan = memory_budget.tight_plan(mems)
+    assert plan["need_bytes"] == {"off": 77 * MiB, "on": 50 * MiB}
+    assert plan["over_budget_bytes"] == {"off": 27 * MiB, "on": 0}
+    assert plan["margin_bytes"] == (77 + 50) * MiB // 2
+    requested = math.ceil(FakeCuda.total * plan["gpu_memory_utilization"])
+    assert abs(requested - (mems["off"]["init_free_bytes"] - plan["margin_bytes"])) <= 1
+    assert memory_budget.tight_plan(mems, 5 * MiB)["margin_bytes"] == 5 * MiB
+    # Off needing no more than on cannot be told apart by running out of memory.
+    same = memory_budget.tight_plan({"off": mems["on"], "on": mems["on"]})
+    assert same["margin_bytes"] == 50 * MiB + memory_budget.SEPARATION_MARGIN_BYTES
+    assert "both should fit" in same["reason"]
+    # A step well inside the headroom: off needs no margin, and none can be below 0.
+    roomy = _calibration(step=50 * MiB)
+    plan0 = memory_budget.tight_plan({s: r["mem"] for s, r in roomy.items()})
+    assert plan0["need_bytes"] == {"off": -23 * MiB, "on": -50 * MiB}
+    assert plan0["margin_bytes"] == 0 and "off needs no margin" in plan0["reason"]
+    split = _calibration(step=80 * MiB)  # needs: off +7, on -20 MiB; halfway is below 0
+    plan_split = memory_budget.tight_plan({s: r["mem"] for s, r in split.items()})
+    assert plan_split["margin_bytes"] == 0 and plan_split["reason"].startswith("halfway")
+    with pytest.raises(ValueError, match="calibration run 'on' lacks budget figures"):
+        memory_budget.tight_plan({"off": mems["off"], "on": {}})
+
+    for switch, r in runs.items():
+        (tmp_path / f"{switch}.json").write_text(json.dumps(r))
+    out = tmp_path / "plan.json"
+    rc = memory_budget._main(
+        ["plan", str(tmp_path / "off.json"), str(tmp_path / "on.json"), "--out", str(out)]
+    )
+    assert rc == 0
+    written = json.loads(out.read_text())
+    assert written["gpu_memory_utilization"] == plan["gpu_memory_utilization"]
+    assert written["calibration"]["off"].endswith("off.json")
+    assert "tight plan: gpu_memory_utilization=" in capsys.readouterr().out
+    (tmp_path / "on.json").write_text(json.dumps({"mem": {}}))
+    assert (
+        memory_budget._main(
+            ["plan", *(str(tmp_path / f"{s}.json") for s in ("off", "on")), "--out", str(out)]
+        )
+        == 1
+    )
+
+
+def test_peak_and_load_requests():
+    peak = workloads.peak_requests(512, 256, 2048)
+    assert len(peak) == 256 and sum(len(ids) for ids, _ in peak) == 2048
+    assert {n for _, n in peak} == {workloads.PEAK_MAX_TOKENS}
+    assert sum(len(ids) for ids, _ in workloads.peak_requests(512, 8, 515)) == 515
+    with pytest.raises(ValueError, match="at least max_num_seqs"):
+        workloads.peak_requests(512, 8, 4)
+    load = workloads.load_requests(128256, 256, 1024, seed=0)
+    assert load == workloads.load_requests(128256, 256, 1024, seed=0)
+    assert load != workloads.load_requests(128256, 256, 1024, seed=1)
+    assert all(16 <= len(ids) <= 512 and 16 <= n <= 256 for ids, n in load)
+    assert all(0 < t < 128255 for ids, _ in load for t in ids)
+    assert len({len(ids) for ids, _ in load}) > 50 and len({n for _, n in load}) > 50
+    with pytest.raises(ValueError, match="max_model_len"):
+        workloads.load_requests(512, 1, 32, seed=0)
+
+
+def test_counter_delta_and_spec_counters():
+    before = workloads.read_spec_counters(fake_metrics(10, 30, 12))
+    assert before == {
+        "vllm:spec_decode_num_drafts": 10,
+        "vllm:spec_decode_num_draft_tokens": 30,
+        "vllm:spec_decode_num_accepted_tokens": 12,
+        "vllm:spec_decode_num_accepted_tokens_per_pos": [5, 4, 3],
+    }
+    after = workloads.read_spec_counters(fake_metrics(20, 60, 27)) | {
+        "vllm:spec_decode_num_accepted_tokens_per_pos": [9, 8, 7, 1]
+    }
+    delta = workloads.counter_delta(before, after)
+    assert delta["vllm:spec_decode_num_drafts"] == 10
+    assert delta["vllm:spec_decode_num_accepted_tokens_per_pos"] == [4, 4, 4, 1]
+    assert workloads.spec_summary(delta)["acceptance_rate"] == 0.5
+
+
+def test_run_load_times_only_the_repeats():
+    ticks = iter(range(100))
+    calls: list[int] = []
+
+    def generate(requests):
+        calls.append(len(requests))
+        return [[7] * n for _, n in requests]
+
+    def counters() -> dict:
+        # Every request drafts 3 times (9 draft tokens); a timed one has 6 of them
+        # accepted, the warm-up's none (counted in, it would lower the rate).
+        n = sum(calls)
+        return workloads.read_spec_counters(fake_metrics(3 * n, 9 * n, 6 * sum(calls[1:])))
+
+    requests = [([1, 2], 5), ([3], 7)]
+    warmup = [([1], 2)]
+    out = workloads.run_load(
+        generate,
+        counters,
+        requests,
+        warmup,
+        repeats=2,
+        clock=lambda: float(next(ticks)),
+    )
+    assert calls == [1, 2, 2]  # the warm-up first, then the timed repeats
+    assert out["repeats"] == [
+        {"wall_s": 1.0, "generated_tokens": 12, "tokens_per_s": 12.0},
+        {"wall_s": 1.0, "generated_tokens": 12, "tokens_per_s": 12.0},
+    ]
+    assert out["tokens_per_s_best"] == out["tokens_per_s_median"] == 12.0
+    assert out["repeats_equal"] is True and out["tokens"] == [[7] * 5, [7] * 7]
+    assert out["spec"]["drafts"] == 12 and out["spec"]["acceptance_rate"] == round(24 / 36, 4)
+    assert (out["num_requests"], out["prompt_tokens"], out["max_tokens"]) == (2, 3, 12)
+    flaky = iter([[[1]], [[1]], [[2]]])
+    again = workloads.run_load(lambda r: next(flaky), dict, [([1], 1)], [], repeats=2)
+    assert again["repeats_equal"] is False
+    with pytest.raises(ValueError, match="repeats"):
+        workloads.run_load(generate, dict, requests, warmup, repeats=0)
+
+
+def test_run_workload_load_records_throughput_and_the_first_tokens():
+    r = fake_run(
+        "1b",
+        "draft",
+        "on",
+        est=1,
+        retained=0,
+        actual=1,
+        kv=1 << 30,
+        tokens=[[4, 5]],
+        workload="load",
+    )
+    load = r["load"]
+    assert load["num_requests"] == 4 and len(load["repeats"]) == 2
+    assert r["tokens"] == [[4, 5]] and "tokens" not in load
+    assert load["spec"] == r["spec"] and r["spec"]["drafts"] == 0  # counters did not move
+    assert "free_at_rest_bytes" in r["mem"] and "free_after_step_bytes" not in r["mem"]
+    assert r["generate_s"] == sum(x["wall_s"] for x in load["repeats"])
+
+
+def test_capture_size_sets():
+    args = SimpleNamespace(
+        case="base",
+        model="m",
+        draft="d",
+        eagle="e",
+        num_spec=3,
+        dtype="bfloat16",
+        gpu_mem_util=0.5,
+        cudagraph_mode="FULL",
+        capture="small",
+    )
+    kw = run_llm.llm_kwargs(args, run_llm.SIZES["1b"])
+    assert kw["compilation_config"]["cudagraph_capture_sizes"] == [1, 2, 4, 8, 16, 32]
+    assert run_llm.capture_sizes(run_llm.SIZES["1b"], "default") is None
+    assert run_llm.capture_sizes(run_llm.SIZES["tiny"], "default") == [1, 2, 4, 8, 16, 32]
+    with pytest.raises(ValueError, match="capture-size set"):
+        run_llm.capture_sizes(run_llm.SIZES["1b"], "large")
+
+
+def _tight(run: dict, plan: dict, **fields: Any) -> dict:
+    return run | {"tight": plan, "workload": "peak"} | fields
+
+
+def test_summarize_noest_capture_sets_tight_and_load(tmp_path, capsys):
+    toks = [[5, 6, 7]]
+    exact = _plugin_report({"target": 30 * MiB}, {"target": 30 * MiB}, one_time=4 * MiB)
+    off_fig = {"est": 41 * MiB, "retained": 32 * MiB, "actual": 36 * MiB, "kv": 7 << 30}
+    on_fig = {"est": 34 * MiB, "retained": 4 * MiB, "actual": 30 * MiB, "kv": 7 << 30}
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def write(run: dict, name: str) -> None:
+        (out / f"{name}.json").write_text(json.dumps(run))
+
+    for capture, suffix in (("default", ""), ("small", "-small")):
+        write(
+            fake_run("1b", "base", "off", tokens=toks, capture=capture, **off_fig), f"off{suffix}"
+        )
+        on = fake_run("1b", "base", "on", tokens=toks, report=exact, capture=capture, **on_fig)
+        write(on, f"on{suffix}")
+    os.environ[ESTIMATE_ENV] = "0"
+    try:
+        write(fake_run("1b", "base", "noest", tokens=toks, **off_fig), "noest")
+    finally:
+        del os.environ[ESTIMATE_ENV]
+
+    plan = memory_budget.tight_plan({s: r["mem"] for s, r in _calibration().items()})
+    cal = _calibration()
+    write(cal["off"] | {"size": "1b"}, "off-peak")
+    write(cal["on"] | {"size": "1b"}, "on-peak")
+    oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB"
+    write(_tight(cal["off"] | {"size": "1b"}, plan, ok=False, stage="generate", error=oom), "off-t")
+    write(_tight(cal["on"] | {"size": "1b"}, plan), "on-t")
+    capture_died = {"kv_cache_bytes": 1, "capture_started": True}
+    noest = {"ok": False, "stage": "init", "error": oom, "mem": capture_died}
+    write(
+        _tight({"size": "1b", "case": "base", "plugin": {"switch": "noest"}}, plan, **noest), "n-t"
+    )
+
+    for switch, rate in (("off", 1000.0), ("on", 1010.0)):
+        load = fake_run("1b", "draft", switch, tokens=toks, workload="load", **on_fig)
+        load["load"]["tokens_per_s_best"] = rate
+        load["gpu"] = {"visible_devices": "1"}
+        write(load, f"load-{switch}")
+
+    (out / "gpu.txt").write_text("0, NVIDIA H200, 143771 MiB\n1, NVIDIA H200, 143771 MiB\n")
+    res = tmp_path / "res"
+    assert summarize.main([str(out), "--results", str(res)]) == 0  # off and noest may stop
+    doc = json.loads((res / "vllm_graph_memory.json").read_text())
+    rows = {(r["size"], r["case"]): r for r in doc["rows"]}
+    assert list(rows) == [("1b", "base"), ("1b-small", "base"), ("1b-peak", "base")]
+    base = rows[("1b", "base")]
+    assert base["noest_estimate_applied_bytes"] == 0
+    assert base["budget_minus_taken_noest_bytes"] == -(32 + 36) * MiB
+    assert base["over_budget_noest_bytes"] == (32 + 36) * MiB
+    assert (base["over_budget_off_bytes"], base["over_budget_on_bytes"]) == (27 * MiB, 0)
+    assert base["tokens_equal_noest_off"] is True and base["capture"] == "default"
+    assert rows[("1b-small", "base")]["capture"] == "small"
+    md = (res / "vllm_graph_memory.md").read_text()
+    assert "| 1b | default | base | 41.0 / 30.0 / 0.0 | 34.0 |" in md
+    assert "| -27.0 / 0.0 / -68.0 | 27.0 / 0.0 / 68.0 |" in md
+    assert "| 1b-small | small | base |" in md
+    assert "on 0, NVIDIA H200, 143771 MiB; 1, NVIDIA H200, 143771 MiB, torch" in md
+
+    (tight,) = doc["tight_rows"]
+    assert (tight["size"], tight["case"], tight["pass"]) == ("1b", "base", True)
+    outcomes = {s: f["outcome"] for s, f in tight["switches"].items()}
+    assert outcomes == {
+        "off": "out of memory in the first full step",
+        "on": "ran",
+        "noest": "out of memory in the production capture",
+    }
+    assert tight["margin_bytes"] == plan["margin_bytes"]
+    assert "## Tight memory" in md
+    assert (
+        "| out of memory in the first full step | ran | out of memory in the production capture |"
+        in md
+    )
+
+    loads = json.loads((res / "vllm_load.json").read_text())["rows"]
+    assert [(r["size"], r["case"], r["ratio_on_off"], r["pass"]) for r in loads] == [
+        ("1b", "draft", 1.01, True)
+    ]
+    load_md = (res / "vllm_load.md").read_text()
+    assert "| 1b | draft | 4 |" in load_md and "| 1.010 |" in load_md
+    printed = capsys.readouterr().out
+    assert "[tight 1b/base] PASS" in printed and "[load 1b/draft] PASS" in printed
+    assert "baseline 1b/off:" in printed and "baseline 1b-peak" not in printed
+
+    # A later invocation of another case of the same size, and of one tight case,
+    # keeps the other rows, each with its date.
+    out2 = tmp_path / "out2"
+    out2.mkdir()
+    (out2 / "on-t.json").write_text(json.dumps(_tight(cal["on"] | {"size": "tiny"}, plan)))
+    for switch, fig in (("off", off_fig), ("on", on_fig)):
+        run = fake_run("1b", "draft", switch, tokens=toks, report=exact, **fig)
+        (out2 / f"{switch}.json").write_text(json.dumps(run))
+    res2 = tmp_path / "res2"
+    assert (
+        summarize.main(
+            [str(out2), "--results", str(res2), "--previous", str(res / "vllm_graph_memory.json")]
+        )
+        == 0
+    )
+    doc2 = json.loads((res2 / "vllm_graph_memory.json").read_text())
+    assert [(r["size"], r["case"]) for r in doc2["tight_rows"]] == [
+        ("tiny", "base"),
+        ("1b", "base"),
+    ]
+    assert [(r["size"], r["case"]) for r in doc2["rows"]] == [
+        ("1b", "base"),
+        ("1b", "draft"),
+        ("1b-small", "base"),
+        ("1b-peak", "base"),
+    ]
+    assert all(r["measured_utc"] for r in doc2["rows"])
+    assert not (res2 / "vllm_load.json").exists()
+
+
+def test_tight_row_fails_when_the_plugin_run_stops():
+    oom = {"ok": False, "stage": "generate", "error": "CUDA out of memory"}
+    runs = {("1b", "base", "off"): {"ok": True}, ("1b", "base", "on"): oom}
+    (row,) = summarize_tight.build_rows(runs)
+    assert not row["pass"]
+    assert row["status"] == "FAIL (on: out of memory in the first full step)"
+    (row,) = summarize_tight.build_rows({("1b", "base", "off"): {"ok": True}})
+    assert row["status"] == "FAIL (on: not run)" and row["switches"]["noest"] is None
+
+
+def test_table_cells_of_the_committed_results():
+    """The rows in bench/results (schema 1, before the noest and over-budget
+    figures) render with "-" where a figure is missing."""
+    path = os.path.join(os.path.dirname(SCRIPTS), "bench", "results", "vllm_graph_memory.json")
+    with open(path) as f:
+        doc = json.load(f)
+    rows = {(r["size"], r["case"]): r for r in doc["rows"]}
+    cells = dict(
+        zip(
+            summarize_table.COLUMNS,
+            summarize_table.row_cells(rows[("1b", "base")]),
+            strict=True,
+        )
+    )
+    assert cells["graph estimate upstream (off) / plugin (on) / none (noest) MiB"] == (
+        "248.0 / 134.0"
+    )
+    assert cells["over budget at rest off / on / noest MiB"] == "- / -"
+    assert cells["KV tokens off / on / noest"] == "2,191,728 / 2,191,344"
+    assert cells["budget - (retained + actual) off / on / noest MiB"] == "-30.0 / 0.0"
+    assert cells["capture sizes"] == "default" and cells["check"] == "PASS"
+    assert "| 1b | default | eagle |" in summarize_table.markdown(doc | {"tight_rows": []})
+
+
+def test_load_row_fails_outside_the_ratio_or_on_token_differences():
+    def run(rate: float, tokens: list) -> dict:
+        return {"ok": True, "tokens": tokens, "load": {"tokens_per_s_best": rate}}
+
+    row = summarize_load.build_row("1b", "draft", run(1000.0, [[1]]), run(970.0, [[1]]))
+    assert row["status"] == "FAIL (on/off 0.970)"
+    row = summarize_load.build_row("1b", "draft", run(1000.0, [[1]]), run(1000.0, [[2]]))
+    assert row["status"] == "FAIL (tokens differ)"
+    row = summarize_load.build_row("1b", "draft", None, run(1000.0, [[2]]))
+    assert row["status"] == "FAIL (tokens missing; no tokens/s)"
+
+
+# ---- the device script's scheduling, with stand-ins for nvidia-smi and python3 ----
+
+FAKE_NVIDIA_SMI = """#!/usr/bin/env bash
+for i in $(seq 0 $(( ${FAKE_GPUS:-2} - 1 ))); do
+  case "$1" in
+    --query-gpu=index) echo "$i" ;;
+    --query-gpu=index,uuid) echo "$i, GPU-fake-$i" ;;
+    --query-gpu=*) echo "$i, Fake GPU, 1000 MiB, 0 MiB, 0.0" ;;
+  esac
+done
+"""
+
+# Setup steps succeed without doing anything; run_llm.py is FAKE_RUN; the rest
+# (memory_budget.py, summarize.py) is the real thing.
+FAKE_PYTHON = """#!/usr/bin/env bash
+case "$*" in
+  *run_llm.py*) exec "$REAL_PYTHON" "$FAKE_RUN" "$@" ;;
+  "-m pip "*|*apply_shims.py*|*install_plugin.py*) exit 0 ;;
+esac
+exec "$REAL_PYTHON" "$@"
+"""
+
+FAKE_RUN = """
+import argparse, json, os, sys, time
+ap = argparse.ArgumentParser()
+for name in ("size", "case", "plugin", "capture", "workload", "tight-plan", "out", "tp"):
+    ap.add_argument("--" + name)
+args, _ = ap.parse_known_args()
+start = time.time()
+time.sleep(float(os.environ.get("FAKE_RUN_S", "0.5")))
+MiB = 1 << 20
+total, headroom = 80 << 30, 100 * MiB
+init_free = total - (1 << 30)
+plan = json.load(open(args.tight_plan)) if args.tight_plan else None
+util = plan["gpu_memory_utilization"] if plan else 0.5
+requested = int(total * util)
+over = {"off": 27 * MiB, "noest": 68 * MiB}.get(args.plugin, 0)
+rest = init_free - (requested - headroom + over)
+mem = {
+    "init_free_bytes": init_free, "init_total_bytes": total, "requested_bytes": requested,
+    "activation_headroom_bytes": headroom, "free_at_rest_bytes": rest,
+    "free_after_step_bytes": rest - 150 * MiB,
+}
+result = {
+    "size": args.size, "case": args.case, "plugin": {"switch": args.plugin},
+    "capture": args.capture, "workload": args.workload, "ok": True, "stage": "done",
+    "mem": mem, "tokens": [[1, 2]], "argv": sys.argv[1:], "start": start, "end": time.time(),
+    "lane": os.environ.get("CUDA_VISIBLE_DEVICES"), "gpu_memory_utilization": util,
+}
+if plan:
+    result["tight"] = plan
+if args.workload == "load":
+    result["load"] = {"tokens_per_s_best": 100.0, "repeats": [{"generated_tokens": 2}]}
+json.dump(result, open(args.out, "w"))
+"""
+
+
+@pytest.fixture
+def device_script(tmp_path):
+    """Runs a copy of scripts/device-vllm-e2e.sh in a stand-in repository, with
+    nvidia-smi and python3 stand-ins on PATH; returns (run, out dir)."""
+    import shutil
+    import subprocess
+    import tarfile
+
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(os.path.join(SCRIPTS, "device-vllm-e2e.sh"), repo / "scripts")
+    os.symlink(os.path.join(SCRIPTS, "vllm_e2e"), repo / "scripts" / "vllm_e2e")
+    (repo / ".e2e" / "wheels").mkdir(parents=True)
+    (repo / ".e2e" / "wheels" / "x-1-py3-none-any.whl").write_text("")
+    with tarfile.open(repo / ".e2e" / "vllm-py.tar.gz", "w:gz"):
+        pass
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("nvidia-smi", FAKE_NVIDIA_SMI), ("python3", FAKE_PYTHON)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "fake_run.py").write_text(FAKE_RUN)
+    out = tmp_path / "out"
+
+    def run(**env: str) -> subprocess.CompletedProcess:
+        full = {
+            "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            "REAL_PYTHON": sys.executable,
+            "FAKE_RUN": str(tmp_path / "fake_run.py"),
+            "OUT": str(out),
+            "E2E_WORK": str(tmp_path / "work"),
+            "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+            "HOME": str(tmp_path),
+        } | env
+        return subprocess.run(
+            ["bash", str(repo / "scripts" / "device-vllm-e2e.sh")],
+            env=full,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    return run, out
+
+
+def _runs(out) -> dict[str, dict]:
+    return {
+        p.name[: -len(".json")]: json.loads(p.read_text())
+        for p in out.glob("*.json")
+        if not p.name.startswith("plan-")
+    }
+
+
+def _overlap(a: dict, b: dict) -> bool:
+    return a["start"] < b["end"] and b["start"] < a["end"]
+
+
+def test_device_script_runs_one_run_per_gpu_at_a_time(device_script):
+    run, out = device_script
+    done = run(SIZES="tiny", CASES="base draft ngram", PLUGIN="off on")
+    assert "lanes (CUDA_VISIBLE_DEVICES): 0 1" in done.stdout, done.stdout + done.stderr
+    runs = _runs(out)
+    assert sorted(runs) == sorted(
+        f"tiny-{c}-{p}" for c in ("base", "draft", "ngram") for p in ("off", "on")
+    )
+    lanes = {r["lane"] for r in runs.values()}
+    assert lanes == {"0", "1"}
+    pairs = [(a, b) for a in runs.values() for b in runs.values() if a is not b]
+    assert not [(a, b) for a, b in pairs if a["lane"] == b["lane"] and _overlap(a, b)]
+    assert [(a, b) for a, b in pairs if a["lane"] != b["lane"] and _overlap(a, b)]
+    assert (out / "bench" / "results" / "vllm_graph_memory.md").exists()
+    assert "SUMMARY: all runs ok=True (6/6)" in done.stdout
+
+
+def test_device_script_runs_a_load_case_on_one_gpu(device_script):
+    run, out = device_script
+    done = run(MODE="load", SIZES="tiny", CASES="base draft", LOAD_REQUESTS="8")
+    runs = _runs(out)
+    assert sorted(runs) == sorted(
+        f"tiny-{c}-{p}-load" for c in ("base", "draft") for p in ("off", "on")
+    )
+    for case in ("base", "draft"):
+        off, on = runs[f"tiny-{case}-off-load"], runs[f"tiny-{case}-on-load"]
+        assert off["lane"] == on["lane"] and off["end"] <= on["start"]
+        assert "--load-requests" in off["argv"] and "8" in off["argv"]
+    assert runs["tiny-base-off-load"]["lane"] != runs["tiny-draft-off-load"]["lane"]
+    assert (out / "bench" / "results" / "vllm_load.md").exists(), done.stdout + done.stderr
+
+
+def test_device_script_tight_mode_plans_from_the_calibration(device_script):
+    run, out = device_script
+    done = run(MODE="tight", SIZES="tiny", CAPTURE="small")
+    runs = _runs(out)
+    calibration = {f"tiny-base-{p}-small-peak" for p in ("off", "on")}
+    tight = {f"tiny-base-{p}-small-tight" for p in ("off", "on", "noest")}
+    assert set(runs) == calibration | tight, done.stdout + done.stderr
+    plan = json.loads((out / "plan-tiny-base-small.json").read_text())
+    # The fake runs need 150 - 100 + 27 (off) and 150 - 100 + 0 (on) MiB.
+    assert plan["margin_bytes"] == (77 + 50) * MiB // 2
+    assert min(r["start"] for n, r in runs.items() if n in tight) >= max(
+        r["end"] for n, r in runs.items() if n in calibration
+    )
+    for name in tight:
+        assert runs[name]["gpu_memory_utilization"] == plan["gpu_memory_utilization"]
+        assert "--workload" in runs[name]["argv"] and "peak" in runs[name]["argv"]
+    assert "tight plan: gpu_memory_utilization=" in done.stdout
+    assert "## Tight memory" in (out / "bench" / "results" / "vllm_graph_memory.md").read_text()
+
+
+def test_device_script_skips_runs_past_the_budget(device_script):
+    run, out = device_script
+    done = run(SIZES="tiny", CASES="base", BUDGET="40")
+    assert sorted((out / "skipped.txt").read_text().split()) == ["tiny-base-off", "tiny-base-on"]
+    assert not _runs(out)
+    assert (out / "bench" / "results" / "vllm_graph_memory.json").exists(), done.stdout
+
+
+def test_device_script_packs_tensor_parallel_gpu_groups(device_script):
+    run, out = device_script
+    done = run(SIZES="tiny", CASES="base", TP="2", FAKE_GPUS="4")
+    assert "lanes (CUDA_VISIBLE_DEVICES): 0,1 2,3" in done.stdout, done.stdout + done.stderr
+    runs = _runs(out)
+    assert {r["lane"] for r in runs.values()} == {"0,1", "2,3"}
+    assert set(runs) == {"tiny-base-off-tp2", "tiny-base-on-tp2"}
+    assert all("--tp" in r["argv"] for r in runs.values())
+    limited = run(SIZES="tiny", CASES="base", PLUGIN="on", CUDA_VISIBLE_DEVICES="3,1")
+    assert "lanes (CUDA_VISIBLE_DEVICES): 3 1" in limited.stdout, limited.stdout
+    refused = run(TP="2", FAKE_GPUS="1")
+    assert refused.returncode == 2 and "TP=2 needs 2 GPUs" in refused.stdout
 
 
 # ---- tensor parallelism (--tp > 1) ----------------------------------------------
@@ -731,8 +1462,8 @@ def test_summarize_tensor_parallel_rows_check_every_rank(tmp_path, capsys):
     assert eagle["plugin_error_bytes"] == 0 and eagle["upstream_error_bytes"] == 5 * MiB
 
     md = (res / "vllm_graph_memory.md").read_text()
-    assert "| tiny-tp2 | base [rank 1 of 2] | 41.0 | 30.0 |" in md
-    assert "| tiny | base | 41.0 | 30.0 |" in md
+    assert "| tiny-tp2 | default | base [rank 1 of 2] | 41.0 / 30.0 |" in md
+    assert "| tiny | default | base | 41.0 / 30.0 |" in md
     runs = {(r["size"], r["case"], r["plugin"]["switch"]): r for r in doc["runs"]}
     assert len(runs[("tiny-tp2", "base", "on")]["ranks"]) == 2
     assert "ranks" not in runs[("tiny", "base", "on")]

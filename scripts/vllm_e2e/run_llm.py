@@ -3,7 +3,9 @@
 graphs, optional speculator, vllm-specgraph plugin on or off. One run per process.
 
     python run_llm.py --size tiny|1b --case base|draft|ngram|eagle \
-        --plugin off|on|none [--tp N [--custom-all-reduce]] --out result.json
+        --plugin off|on|none|noest [--capture default|small] \
+        [--workload smoke|peak|load] [--tight-plan PLAN.json] \
+        [--tp N [--custom-all-reduce]] --out result.json
 
 ``--plugin`` (set in the environment before vLLM is imported):
 
@@ -11,6 +13,15 @@ graphs, optional speculator, vllm-specgraph plugin on or off. One run per proces
 * ``off``: ``VLLM_PLUGINS=specgraph`` and ``VLLM_SPECGRAPH=0``; the plugin loads
   through its entry point and patches nothing (its own off switch).
 * ``none``: ``VLLM_PLUGINS=`` (empty); no plugin is loaded at all.
+* ``noest``: as ``off``, and ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0``:
+  vLLM still profiles its graphs but subtracts nothing from the KV cache.
+
+``--capture``: ``default`` is the size's capture sizes (vLLM's default for the
+1B size, 1 to 32 for tiny); ``small`` is 1, 2, 4, 8, 16, 32 for every size.
+``--workload`` (``workloads.py``): ``smoke`` (6 prompts), ``peak`` (one full
+step, measured) or ``load`` (a few hundred mixed requests, timed).
+``--tight-plan``: the plan ``memory_budget.py plan`` wrote; its
+``gpu_memory_utilization`` replaces the size's, and the plan is recorded.
 
 Prompts are token ids (no tokenizer), weights are vLLM's deterministic dummy
 weights (``load_format="dummy"``) re-randomised in place by parameter name, so
@@ -41,16 +52,24 @@ import sys
 import time
 import traceback
 import zlib
-from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import memory_budget  # noqa: E402  (this directory, made importable just above)
+import workloads  # noqa: E402
+from measure import install_wrappers, plugin_report, wrappers_intact  # noqa: E402
+from workloads import prompts_token_ids, spec_summary  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(HERE))
 CONFIGS = os.path.join(REPO, "configs")
 
 MiB = 1 << 20
 CASES = ("base", "draft", "ngram", "eagle")
-PLUGIN_SWITCHES = ("off", "on", "none")
+PLUGIN_SWITCHES = ("off", "on", "none", "noest")
 PLUGIN_NAME = "specgraph"  # the vllm.general_plugins entry point in pyproject.toml
 PLUGIN_GROUP = "vllm.general_plugins"
 PLUGIN_LOGGERS = ("vllm.specgraph", "vllm_specgraph")
@@ -89,6 +108,11 @@ SIZES: dict[str, dict[str, Any]] = {
     },
 }
 
+# Capture-size sets: "default" is each size's own (above), "small" the same short
+# explicit list for every size.
+CAPTURE_SETS = ("default", "small")
+SMALL_CAPTURE_SIZES = [1, 2, 4, 8, 16, 32]
+
 BASE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_USE_V2_MODEL_RUNNER": "1",
@@ -109,18 +133,23 @@ def set_env(plugin: str) -> dict[str, str | None]:
     switch into another."""
     for key, value in BASE_ENV.items():
         os.environ.setdefault(key, value)
+    os.environ.pop(memory_budget.ESTIMATE_ENV, None)  # vLLM's default: subtract the estimate
     if plugin == "none":
         os.environ["VLLM_PLUGINS"] = ""
         os.environ.pop("VLLM_SPECGRAPH", None)
-    elif plugin == "off":
+    elif plugin in ("off", "noest"):
         os.environ["VLLM_PLUGINS"] = PLUGIN_NAME
         os.environ["VLLM_SPECGRAPH"] = "0"
+        if plugin == "noest":
+            os.environ[memory_budget.ESTIMATE_ENV] = "0"
     elif plugin == "on":
         os.environ["VLLM_PLUGINS"] = PLUGIN_NAME
         os.environ.pop("VLLM_SPECGRAPH", None)  # the plugin's default: on
     else:
         raise ValueError(f"plugin switch must be one of {PLUGIN_SWITCHES}, got {plugin!r}")
-    return {k: os.environ.get(k) for k in ("VLLM_PLUGINS", "VLLM_SPECGRAPH")}
+    return {
+        k: os.environ.get(k) for k in ("VLLM_PLUGINS", "VLLM_SPECGRAPH", memory_budget.ESTIMATE_ENV)
+    }
 
 
 class PluginLogTap(logging.Handler):
@@ -175,108 +204,6 @@ def plugin_info(switch: str, env: dict[str, str | None]) -> dict[str, Any]:
     return info
 
 
-def install_wrappers(runner_cls: Any, worker_cls: Any, cuda: Any, mem: dict[str, Any]) -> dict:
-    """Wrap three vLLM methods to read numbers; each wrapper calls the method it
-    replaces unchanged. ``cuda`` is ``torch.cuda``. Returns {attribute: wrapper} so
-    the caller can check later that nothing replaced them.
-
-    * ``runner_cls.profile_cudagraph_memory``: the estimate, its wall time, and
-      the driver-level memory still taken after it returned (before and after
-      an ``empty_cache``).
-    * ``runner_cls.capture_model``: for the production capture, the actual graph
-      memory (vLLM's own return value) and its wall time; profiling captures
-      (``profile_only=True``) are only counted and timed.
-    * ``worker_cls.determine_available_memory``: the KV cache bytes.
-    """
-
-    def drv_used() -> int:
-        cuda.synchronize()
-        free, total = cuda.mem_get_info()
-        return total - free
-
-    orig_prof = runner_cls.profile_cudagraph_memory
-
-    def prof_wrapper(self: Any) -> int:
-        cuda.synchronize()
-        cuda.empty_cache()
-        b_used = drv_used()
-        b_res = cuda.memory_reserved()
-        t0 = time.perf_counter()
-        est = orig_prof(self)
-        cuda.synchronize()
-        wall = time.perf_counter() - t0
-        a_used = drv_used()
-        a_res = cuda.memory_reserved()
-        cuda.empty_cache()
-        a2_used = drv_used()
-        mem["profile_estimate_bytes"] = int(est) if isinstance(est, int | float) else repr(est)
-        mem["profile_wall_s"] = round(wall, 3)
-        mem["profile_driver_used_before"] = b_used
-        mem["profile_driver_left_taken"] = a_used - b_used
-        mem["profile_driver_left_taken_after_empty_cache"] = a2_used - b_used
-        mem["profile_allocator_reserved_delta"] = a_res - b_res
-        if os.environ.get("E2E_PROFILE_REPEAT") == "1":
-            # Diagnosis: what a second profile in the same process measures and keeps,
-            # i.e. which part of the first one was a one-time cost of the process.
-            again = orig_prof(self)
-            cuda.synchronize()
-            cuda.empty_cache()
-            mem["profile_repeat_estimate_bytes"] = int(again)
-            mem["profile_repeat_driver_left_taken"] = drv_used() - a2_used
-        return est
-
-    orig_cap = runner_cls.capture_model
-
-    def cap_wrapper(self: Any, *a: Any, **kw: Any) -> int:
-        if kw.get("profile_only"):
-            t0 = time.perf_counter()
-            r = orig_cap(self, *a, **kw)
-            mem["profile_only_capture_calls"] = mem.get("profile_only_capture_calls", 0) + 1
-            mem["profile_only_capture_wall_s"] = round(
-                mem.get("profile_only_capture_wall_s", 0.0) + time.perf_counter() - t0, 3
-            )
-            return r
-        b_used = drv_used()
-        b_res = cuda.memory_reserved()
-        t0 = time.perf_counter()
-        actual = orig_cap(self, *a, **kw)
-        cuda.synchronize()
-        wall = time.perf_counter() - t0
-        mem["capture_calls"] = mem.get("capture_calls", 0) + 1
-        mem["capture_actual_bytes"] = (
-            int(actual) if isinstance(actual, int | float) else repr(actual)
-        )
-        mem["capture_wall_s"] = round(wall, 3)
-        mem["capture_driver_delta"] = drv_used() - b_used
-        mem["capture_allocator_reserved_delta"] = cuda.memory_reserved() - b_res
-        return actual
-
-    orig_dam = worker_cls.determine_available_memory
-
-    def dam_wrapper(self: Any) -> int:
-        t0 = time.perf_counter()
-        r = orig_dam(self)
-        mem["determine_available_memory_wall_s"] = round(time.perf_counter() - t0, 3)
-        mem["kv_cache_bytes"] = int(r)
-        mem["worker_cudagraph_memory_estimate"] = int(
-            getattr(self, "cudagraph_memory_estimate", -1)
-        )
-        return r
-
-    runner_cls.profile_cudagraph_memory = prof_wrapper
-    runner_cls.capture_model = cap_wrapper
-    worker_cls.determine_available_memory = dam_wrapper
-    return {
-        "profile_cudagraph_memory": (runner_cls, prof_wrapper),
-        "capture_model": (runner_cls, cap_wrapper),
-        "determine_available_memory": (worker_cls, dam_wrapper),
-    }
-
-
-def wrappers_intact(installed: dict) -> dict[str, bool]:
-    return {name: getattr(cls, name) is fn for name, (cls, fn) in installed.items()}
-
-
 def reinit_weights(
     model: Any,
     std: float,
@@ -328,20 +255,6 @@ def reinit_weights(
     return n, seen
 
 
-def prompts_token_ids(n: int, vocab: int) -> list[list[int]]:
-    """Deterministic prompts, every id in [1, vocab - 2]; the odd ones repeat a
-    pattern so that the n-gram speculator finds matches."""
-    out = []
-    for i in range(n):
-        if i % 2 == 0:
-            ids = [(7 + 31 * i + 13 * j) % (vocab - 2) + 1 for j in range(12 + 3 * i)]
-        else:
-            pat = [(11 * i + 5 * j) % (vocab - 2) + 1 for j in range(6)]
-            ids = pat * 4
-        out.append(ids)
-    return out
-
-
 def speculative_config(case: str, draft: str, eagle: str, num_spec: int) -> dict | None:
     if case == "draft":
         return {"method": "draft_model", "model": draft, "num_speculative_tokens": num_spec}
@@ -357,6 +270,15 @@ def speculative_config(case: str, draft: str, eagle: str, num_spec: int) -> dict
     return None
 
 
+def capture_sizes(preset: dict[str, Any], capture: str) -> list[int] | None:
+    """The explicit capture sizes of a capture-size set; None: vLLM's default."""
+    if capture == "small":
+        return list(SMALL_CAPTURE_SIZES)
+    if capture != "default":
+        raise ValueError(f"capture-size set must be one of {CAPTURE_SETS}, got {capture!r}")
+    return None if preset["capture_sizes"] is None else list(preset["capture_sizes"])
+
+
 def llm_kwargs(args: argparse.Namespace, preset: dict[str, Any]) -> dict[str, Any]:
     """The ``LLM(...)`` arguments. At TP=1 exactly those of earlier runs; at
     ``args.tp`` > 1 also the multiprocess executor, custom all-reduce off unless
@@ -366,8 +288,9 @@ def llm_kwargs(args: argparse.Namespace, preset: dict[str, Any]) -> dict[str, An
         "cudagraph_mode": args.cudagraph_mode,
         "custom_ops": ["none"],
     }
-    if preset["capture_sizes"] is not None:
-        compilation["cudagraph_capture_sizes"] = list(preset["capture_sizes"])
+    sizes = capture_sizes(preset, getattr(args, "capture", "default"))
+    if sizes is not None:
+        compilation["cudagraph_capture_sizes"] = sizes
     kw = {
         "model": args.model,
         "skip_tokenizer_init": True,
@@ -398,41 +321,6 @@ def llm_kwargs(args: argparse.Namespace, preset: dict[str, Any]) -> dict[str, An
         kw["disable_custom_all_reduce"] = not getattr(args, "custom_all_reduce", False)
         kw["worker_extension_cls"] = WORKER_EXTENSION
     return kw
-
-
-def spec_summary(metrics: dict[str, Any]) -> dict[str, Any]:
-    """Acceptance figures from vLLM's spec-decode counters (``get_metrics`` names)."""
-
-    def count(name: str) -> int | None:
-        v = metrics.get(f"vllm:spec_decode_{name}")
-        return int(v) if isinstance(v, int | float) else None
-
-    drafts = count("num_drafts")
-    draft_tokens = count("num_draft_tokens")
-    accepted = count("num_accepted_tokens")
-    out: dict[str, Any] = {
-        "drafts": drafts,
-        "draft_tokens": draft_tokens,
-        "accepted_tokens": accepted,
-        "acceptance_rate": None,
-        "mean_acceptance_length": None,
-    }
-    if accepted is not None and draft_tokens:
-        out["acceptance_rate"] = round(accepted / draft_tokens, 4)
-    if accepted is not None and drafts:
-        out["mean_acceptance_length"] = round(1 + accepted / drafts, 3)
-    return out
-
-
-def plugin_report(runner: Any) -> dict | None:
-    """The plugin's own profile report, if it attached one to the runner."""
-    prof = getattr(runner, "specgraph_profile", None)
-    if prof is None:
-        return None
-    to_dict: Callable[[], dict] | None = getattr(prof, "to_dict", None)
-    if to_dict is None:
-        return {"error": f"{type(prof).__name__} has no to_dict()"}
-    return to_dict()
 
 
 def prepare_workers(out: str) -> dict[str, str]:
@@ -492,6 +380,67 @@ def shutdown_engine(llm: Any) -> float:
     return round(time.perf_counter() - t0, 2)
 
 
+def workload_requests(
+    args: argparse.Namespace, preset: dict[str, Any], vocab: int
+) -> list[workloads.Request]:
+    """The requests of ``args.workload`` (smoke or peak) for this size."""
+    if args.workload == "peak":
+        return workloads.peak_requests(
+            vocab, preset["max_num_seqs"], preset["max_num_batched_tokens"]
+        )
+    return [(ids, args.max_tokens) for ids in prompts_token_ids(args.num_prompts, vocab)]
+
+
+def run_workload(
+    args: argparse.Namespace,
+    preset: dict[str, Any],
+    vocab: int,
+    generate: workloads.Generate,
+    llm: Any,
+    cuda: Any,
+    mem: dict[str, Any] | None,
+    result: dict[str, Any],
+) -> None:
+    """Run ``args.workload`` and record its tokens, timings and spec-decode
+    figures into ``result``. ``mem`` (TP=1: the figures of this process's GPU)
+    also gets the free memory at rest and, around a smoke or peak generate,
+    what that step took."""
+    if mem is not None:
+        mem["free_at_rest_bytes"] = workloads.free_at_rest(cuda)
+    if args.workload == "load":
+        requests = workloads.load_requests(
+            vocab, args.load_requests, preset["max_model_len"], args.seed
+        )
+        warmup = workloads.load_requests(
+            vocab, workloads.LOAD_WARMUP_REQUESTS, preset["max_model_len"], args.seed + 1
+        )
+        warmup = [(ids, min(n, workloads.LOAD_WARMUP_MAX_TOKENS)) for ids, n in warmup]
+        load = workloads.run_load(
+            generate,
+            lambda: workloads.read_spec_counters(llm.get_metrics()),
+            requests,
+            warmup,
+            args.load_repeats,
+        )
+        result["tokens"] = load.pop("tokens")
+        result["load"] = load
+        result["spec"] = load["spec"]
+        result["generate_s"] = sum(r["wall_s"] for r in load["repeats"])
+        return
+    requests = workload_requests(args, preset, vocab)
+    sampling = workloads.PEAK_SAMPLING if args.workload == "peak" else None
+    t0 = time.time()
+    with workloads.measure_step(cuda, mem) if mem is not None else nullcontext():
+        result["tokens"] = generate(requests, sampling)
+    result["generate_s"] = round(time.time() - t0, 2)
+    try:
+        counters = workloads.read_spec_counters(llm.get_metrics())
+        result["spec_metrics"] = counters
+        result["spec"] = spec_summary(counters)
+    except Exception as e:
+        result["spec_metrics"] = {"error": repr(e)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", choices=CASES, required=True)
@@ -507,6 +456,12 @@ def main() -> int:
     ap.add_argument("--dtype", help="default: the size's")
     ap.add_argument("--gpu-mem-util", type=float, help="default: the size's")
     ap.add_argument("--cudagraph-mode", default="FULL")
+    ap.add_argument("--capture", choices=CAPTURE_SETS, default="default")
+    ap.add_argument("--workload", choices=workloads.WORKLOADS, default="smoke")
+    ap.add_argument("--tight-plan", help="memory_budget.py's plan: its utilization is used")
+    ap.add_argument("--load-requests", type=int, default=256)
+    ap.add_argument("--load-repeats", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the load requests")
     ap.add_argument(
         "--tp",
         type=int,
@@ -535,6 +490,11 @@ def main() -> int:
         args.dtype = preset["dtype"]
     if args.gpu_mem_util is None:
         args.gpu_mem_util = preset["gpu_memory_utilization"]
+    tight = None
+    if args.tight_plan:
+        with open(args.tight_plan) as f:
+            tight = json.load(f)
+        args.gpu_mem_util = tight["gpu_memory_utilization"]
 
     env = set_env(args.plugin)
     plugin_log: list[str] = []
@@ -542,9 +502,13 @@ def main() -> int:
         "size": args.size,
         "case": args.case,
         "plugin": {"switch": args.plugin, "env": env},
+        "capture": args.capture,
+        "workload": args.workload,
         "ok": False,
         "stage": "import",
     }
+    if tight is not None:
+        result["tight"] = tight
     if args.tp > 1:
         result["tp"] = args.tp
         result["workers_env"] = prepare_workers(args.out)
@@ -605,6 +569,7 @@ def main() -> int:
                 "name": torch.cuda.get_device_name(0),
                 "total_bytes": torch.cuda.mem_get_info()[1],
                 "cuda": torch.version.cuda,
+                "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             }
         else:
             # Read from the workers: no CUDA context is made in this process.
@@ -682,29 +647,21 @@ def main() -> int:
         # ---- generate --------------------------------------------------
         result["stage"] = "generate"
         dump()  # keep the start-up figures even if generation is cut off
-        prompts = [
-            TokensPrompt(prompt_token_ids=p) for p in prompts_token_ids(args.num_prompts, vocab)
-        ]
-        sp = SamplingParams(
-            temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False
-        )
-        t0 = time.time()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        result["generate_s"] = round(time.time() - t0, 2)
-        result["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
 
-        try:
-            sd = {}
-            for m in llm.get_metrics():
-                if "spec_decode" in m.name:
-                    v = getattr(m, "value", None)
-                    if v is None:
-                        v = getattr(m, "values", None)
-                    sd[m.name] = v
-            result["spec_metrics"] = sd
-            result["spec"] = spec_summary(sd)
-        except Exception as e:
-            result["spec_metrics"] = {"error": repr(e)}
+        def generate(
+            requests: list[workloads.Request], sampling: dict[str, Any] | None = None
+        ) -> list[list[int]]:
+            prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in requests]
+            how = sampling if sampling is not None else {"temperature": 0.0}
+            params = [
+                SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False, **how)
+                for _, n in requests
+            ]
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            return [list(o.outputs[0].token_ids) for o in outs]
+
+        mem_here = result.get("mem") if args.tp == 1 else None
+        run_workload(args, preset, vocab, generate, llm, torch.cuda, mem_here, result)
 
         try:
             shim = sys.modules.get("vllm._C_stable_libtorch")

@@ -5,15 +5,22 @@ side by side per (size, case), checked against the targets.
 
     python3 summarize.py OUTDIR [--results DIR] [--previous FILE]
 
-Reads every OUTDIR/*.json written by run_llm.py (SIZE-CASE-PLUGIN.json, and the
-older CASE.json of runs with plugins off) and the .log next to it. Runs named in
-OUTDIR/skipped.txt (the device script's runs that did not fit its time budget)
-count as not run. Writes DIR/vllm_graph_memory.json and DIR/vllm_graph_memory.md
-(DIR defaults to OUTDIR/bench/results). With --previous, the rows of sizes that
-this OUTDIR has no run for are carried over from that earlier
-vllm_graph_memory.json, with the date and machine they were measured on, so that
-two invocations (one per size) end in one table. Exits 0 only if every run ran
-and every row passed.
+Reads every OUTDIR/*.json written by run_llm.py (SIZE-CASE-PLUGIN[-...].json,
+and the older CASE.json of runs with plugins off) and the .log next to it. Runs
+named in OUTDIR/skipped.txt (the device script's runs that did not fit its time
+budget) count as not run. Writes DIR/vllm_graph_memory.json and .md (DIR
+defaults to OUTDIR/bench/results): the off/on/noest table of the smoke and peak
+runs, then the tight-memory rows (runs with a ``tight`` plan,
+``summarize_tight.py``); the load runs (``workload`` load) go to
+DIR/vllm_load.json and .md (``summarize_load.py``). With --previous (an
+earlier vllm_graph_memory.json; its directory's vllm_load.json too), the rows
+of (size group, case) pairs that this OUTDIR has no run for are carried over,
+each with the date it was measured, so that several invocations end in one
+table. Exits 0 only if every run ran (a tight run off or noest may run out of
+memory: that is what it measures) and every row passed.
+
+Size groups: the size, ``-small`` for the small capture-size set, ``-tpN`` at
+tensor parallelism N (e.g. ``1b``, ``1b-small``, ``tiny-tp2``).
 
 Tensor-parallel runs (``tp`` > 1 in the result, ``--tp`` of run_llm.py) carry
 one record per rank under ``ranks``. They form their own group, ``SIZE-tpN``
@@ -33,12 +40,23 @@ import re
 import sys
 from typing import Any
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import memory_budget  # noqa: E402  (this directory, made importable just above)
+import summarize_load  # noqa: E402
+import summarize_table  # noqa: E402
+import summarize_tight  # noqa: E402
+
 MiB = 1 << 20
 SIZES = ("tiny", "1b")
 CASES = ("base", "draft", "ngram", "eagle")
 SPEC_CASES = ("draft", "ngram", "eagle")
+SWITCHES = ("off", "on", "none", "noest")
 RESULTS_NAME = "vllm_graph_memory"
-SCHEMA = 1
+SCHEMA = 2
+READABLE_SCHEMAS = (1, 2)  # rows of schema 1 lack the newer fields: shown as "-"
 # Targets for the plugin-on run of every (size, case).
 EST_TOL_FRACTION = 0.01
 EST_TOL_BYTES = 2 * MiB
@@ -68,23 +86,41 @@ def num(x: Any) -> float | None:
     return x if isinstance(x, int | float) and not isinstance(x, bool) else None
 
 
-def group_of(size: str, tp: Any) -> str:
-    """The table's size label: the size at TP=1, ``SIZE-tpN`` above."""
-    return size if not isinstance(tp, int) or tp <= 1 else f"{size}-tp{tp}"
+def group_of(size: str, tp: Any, capture: Any = "default", workload: Any = "smoke") -> str:
+    """The table's size label: the size, then ``-small`` for the small
+    capture-size set, ``-peak`` for the full-step workload (the tight mode's
+    calibration runs), ``-tpN`` at TP=N > 1."""
+    group = size
+    if capture not in (None, "default"):
+        group += f"-{capture}"
+    if workload == "peak":
+        group += "-peak"
+    return group if not isinstance(tp, int) or tp <= 1 else f"{group}-tp{tp}"
 
 
 def split_group(group: str) -> tuple[str, int]:
+    """(the label without its TP part, TP)."""
     size, _, tp = group.partition("-tp")
     return size, int(tp) if tp.isdigit() else 1
 
 
-def group_order(group: str) -> tuple[int, int]:
-    size, tp = split_group(group)
-    return (SIZES.index(size) if size in SIZES else 99, tp)
+def group_order(group: str) -> tuple[int, bool, bool, int]:
+    label, tp = split_group(group)
+    size, *parts = label.split("-")
+    return (SIZES.index(size) if size in SIZES else 99, "peak" in parts, "small" in parts, tp)
 
 
-def load_runs(outdir: str) -> dict[Key, Run]:
-    runs: dict[Key, Run] = {}
+def kind_of(r: Run) -> str:
+    """Which table a run belongs to: ``load``, ``tight`` or ``memory``."""
+    if r.get("workload") == "load":
+        return "load"
+    return "tight" if r.get("tight") else "memory"
+
+
+def load_runs(outdir: str) -> dict[str, dict[Key, Run]]:
+    """Every run result in ``outdir``, by kind (:func:`kind_of`), keyed (size
+    group, case, plugin switch)."""
+    runs: dict[str, dict[Key, Run]] = {"memory": {}, "tight": {}, "load": {}}
     for path in sorted(glob.glob(os.path.join(outdir, "*.json"))):
         try:
             with open(path) as f:
@@ -100,7 +136,12 @@ def load_runs(outdir: str) -> dict[Key, Run]:
         switch = plugin.get("switch", "none") if isinstance(plugin, dict) else "none"
         r["_json"] = path
         r["_log"] = path[: -len(".json")] + ".log"
-        runs[(group_of(r.get("size", "tiny"), r.get("tp")), r["case"], switch)] = r
+        when = datetime.datetime.fromtimestamp(os.path.getmtime(path), datetime.UTC)
+        r["_measured_utc"] = when.strftime("%Y-%m-%d %H:%M")
+        group = group_of(r.get("size", "tiny"), r.get("tp"), r.get("capture"), r.get("workload"))
+        if kind_of(r) != "memory":  # their own tables: the workload is implied
+            group = group_of(r.get("size", "tiny"), r.get("tp"), r.get("capture"))
+        runs[kind_of(r)][(group, r["case"], switch)] = r
     return runs
 
 
@@ -187,7 +228,13 @@ def rank_worst_first(sub: dict) -> tuple:
 
 
 def build_tp_row(
-    size: str, case: str, off: Run | None, on: Run | None, off_switch: str, tp: int
+    size: str,
+    case: str,
+    off: Run | None,
+    on: Run | None,
+    off_switch: str,
+    tp: int,
+    noest: Run | None = None,
 ) -> dict:
     """One row for a tensor-parallel (size, case): each rank's off/on pair is
     checked like a TP=1 row; the row shows the worst rank and passes only if
@@ -195,7 +242,9 @@ def build_tp_row(
     n = max(len((off or {}).get("ranks") or []), len((on or {}).get("ranks") or []), tp)
     subs = []
     for i in range(n):
-        sub = build_row(size, case, rank_view(off, i), rank_view(on, i), off_switch)
+        sub = build_row(
+            size, case, rank_view(off, i), rank_view(on, i), off_switch, rank_view(noest, i)
+        )
         sub["rank"] = i
         subs.append(sub)
     worst = min(subs, key=rank_worst_first)
@@ -225,7 +274,38 @@ def build_tp_row(
     return row
 
 
-def build_row(size: str, case: str, off: Run | None, on: Run | None, off_switch: str) -> dict:
+def side_figures(row: dict, side: str, run_: Run | None, budget: float | None) -> None:
+    """What the KV-cache budget had to leave, for one switch: the profile is
+    followed by KV sizing, so what it left taken counts as much as what the
+    production capture then took; and what the started instance held beyond
+    vLLM's limit (``memory_budget.over_budget_bytes``)."""
+    kept = mem_of(run_, "profile_driver_left_taken")
+    actual = mem_of(run_, "capture_actual_bytes")
+    taken = kept + actual if kept is not None and actual is not None else None
+    row[f"retained_{side}_bytes"] = kept
+    row[f"taken_{side}_bytes"] = taken
+    row[f"budget_minus_taken_{side}_bytes"] = (
+        budget - taken if budget is not None and taken is not None else None
+    )
+    row[f"over_budget_{side}_bytes"] = memory_budget.over_budget_bytes((run_ or {}).get("mem"))
+    row[f"kv_tokens_{side}"] = kv_tokens(run_)
+    row[f"startup_{side}_s"] = num((run_ or {}).get("startup_s"))
+    row[f"profile_wall_{side}_s"] = mem_of(run_, "profile_wall_s")
+    row[f"capture_wall_{side}_s"] = mem_of(run_, "capture_wall_s")
+
+
+def tokens_of(r: Run | None) -> Any:
+    return r.get("tokens") if r and r.get("ok") else None
+
+
+def build_row(
+    size: str,
+    case: str,
+    off: Run | None,
+    on: Run | None,
+    off_switch: str,
+    noest: Run | None = None,
+) -> dict:
     est_off, budget_on = estimate_of(off), estimate_of(on)
     # The plugin returns a budget: graph bytes plus what the profile left with the
     # process (one-time state such as lazily loaded kernels). Its graph estimate is
@@ -237,14 +317,17 @@ def build_row(size: str, case: str, off: Run | None, on: Run | None, off_switch:
     err_on = est_on - act_on if est_on is not None and act_on is not None else None
     err_off = est_off - act_off if est_off is not None and act_off is not None else None
     prof_wall, cap_wall = mem_of(on, "profile_wall_s"), mem_of(on, "capture_wall_s")
-    tok_off = off.get("tokens") if off and off.get("ok") else None
-    tok_on = on.get("tokens") if on and on.get("ok") else None
+    tok_off, tok_on, tok_noest = tokens_of(off), tokens_of(on), tokens_of(noest)
+    some = on or off or noest or {}
     row: dict[str, Any] = {
         "size": size,
         "case": case,
+        "capture": some.get("capture", "default"),
+        "num_capture_sizes": (some.get("resolved") or {}).get("num_capture_sizes"),
         "off_switch": off_switch,
         "ran_off": bool(off and off.get("ok")),
         "ran_on": bool(on and on.get("ok")),
+        "ran_noest": bool(noest and noest.get("ok")) if noest else None,
         "upstream_estimate_bytes": est_off,
         "plugin_estimate_bytes": est_on,
         "plugin_budget_bytes": budget_on,
@@ -255,34 +338,30 @@ def build_row(size: str, case: str, off: Run | None, on: Run | None, off_switch:
         "plugin_error_pct": pct(err_on, act_on),
         "upstream_error_bytes": err_off,
         "upstream_error_pct": pct(err_off, act_off),
-        "retained_off_bytes": mem_of(off, "profile_driver_left_taken"),
-        "retained_on_bytes": mem_of(on, "profile_driver_left_taken"),
+        # With VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0 vLLM subtracts nothing.
+        "noest_estimate_applied_bytes": mem_of(noest, "graph_estimate_applied_bytes"),
+        "actual_noest_bytes": mem_of(noest, "capture_actual_bytes"),
         "kv_cache_off_bytes": mem_of(off, "kv_cache_bytes"),
         "kv_cache_on_bytes": mem_of(on, "kv_cache_bytes"),
-        "kv_tokens_off": kv_tokens(off),
-        "kv_tokens_on": kv_tokens(on),
-        "startup_off_s": num((off or {}).get("startup_s")),
-        "startup_on_s": num((on or {}).get("startup_s")),
-        "profile_wall_on_s": prof_wall,
-        "capture_wall_on_s": cap_wall,
         "profile_capture_wall_ratio_on": (
             round(prof_wall / cap_wall, 3) if prof_wall is not None and cap_wall else None
         ),
         "tokens_equal_on_off": (tok_on == tok_off) if tok_on is not None and tok_off else None,
+        "tokens_equal_noest_off": (
+            (tok_noest == tok_off) if tok_noest is not None and tok_off else None
+        ),
         "acceptance_off": ((off or {}).get("spec") or {}).get("acceptance_rate"),
         "acceptance_on": ((on or {}).get("spec") or {}).get("acceptance_rate"),
         "owners_on": owner_figures((on or {}).get("plugin_report")),
+        "measured_utc": max(
+            (r["_measured_utc"] for r in (off, on, noest) if r and r.get("_measured_utc")),
+            default=None,
+        ),
     }
-    # What the KV-cache budget had to leave: the profile is followed by KV sizing, so
-    # what it left taken counts as much as what production capture then took.
+    noest_budget = 0 if noest is not None else None
     for side, run_, budget in (("off", off, est_off), ("on", on, budget_on)):
-        kept = row[f"retained_{side}_bytes"]
-        actual = mem_of(run_, "capture_actual_bytes")
-        taken = kept + actual if kept is not None and actual is not None else None
-        row[f"taken_{side}_bytes"] = taken
-        row[f"budget_minus_taken_{side}_bytes"] = (
-            budget - taken if budget is not None and taken is not None else None
-        )
+        side_figures(row, side, run_, budget)
+    side_figures(row, "noest", noest, noest_budget)
     checks: dict[str, bool | None] = {
         "estimate": None,
         "retained": None,
@@ -321,7 +400,7 @@ def size_meta(size: str, runs: dict[Key, Run], outdir: str) -> dict:
     smi = None
     if os.path.exists(gpu_txt):
         with open(gpu_txt) as f:
-            smi = f.read().strip() or None
+            smi = "; ".join(line.strip() for line in f if line.strip()) or None
     kw = next((r["llm_kwargs"] for r in mine if isinstance(r.get("llm_kwargs"), dict)), {})
     res = next((r["resolved"] for r in mine if isinstance(r.get("resolved"), dict)), {})
     cc = kw.get("compilation_config") or {}
@@ -367,8 +446,14 @@ def compact_run(key: Key, r: Run) -> dict:
         "plugin_report",
         "tokens",
         "tp",
+        "capture",
+        "workload",
+        "tight",
+        "load",
+        "gpu",
     )
     out = {"size": key[0], "case": key[1], "plugin": key[2]} | {k: r.get(k) for k in keep if k in r}
+    out["measured_utc"] = r.get("_measured_utc")
     if "ranks" in r:  # tensor parallel: every rank's figures, without its log lines
         out["ranks"] = [
             {k: v for k, v in rank.items() if k != "plugin_log"} for rank in r.get("ranks") or []
@@ -478,11 +563,15 @@ def print_run(key: Key, r: Run) -> None:
 
 
 def compare_tokens(runs: dict[Key, Run]) -> bool | None:
-    """Speculative outputs against the baseline of the same size and switch; None
-    when there was nothing to compare."""
+    """Greedy speculative outputs against the baseline of the same size group and
+    switch; None when there was nothing to compare. The ``-peak`` groups sample
+    (seeded), and speculative sampling matches the baseline only in distribution,
+    so they are left out."""
     all_eq: bool | None = None
     for size in sorted({k[0] for k in runs}, key=group_order):
-        for switch in ("off", "on", "none"):
+        if "peak" in split_group(size)[0].split("-"):
+            continue
+        for switch in SWITCHES:
             base = runs.get((size, "base", switch))
             if not base or not base.get("ok"):
                 continue
@@ -504,151 +593,121 @@ def compare_tokens(runs: dict[Key, Run]) -> bool | None:
     return all_eq
 
 
-# ---- table -----------------------------------------------------------------
+# ---- rows and files ----------------------------------------------------------
 
 
-def fmt_err(err: float | None, p: float | None) -> str:
-    if err is None:
-        return "-"
-    return f"{p:+.1f} % ({err / MiB:+.1f})" if p is not None else f"({err / MiB:+.1f})"
+def memory_rows(runs: dict[Key, Run]) -> list[dict]:
+    """One row per (size group, case) of the memory runs."""
+    rows = []
+    for size in sorted({k[0] for k in runs}, key=group_order):
+        tp = split_group(size)[1]
+        for case in CASES:
+            has_none = (size, case, "none") in runs
+            off_switch = "none" if has_none and (size, case, "off") not in runs else "off"
+            off, on = runs.get((size, case, off_switch)), runs.get((size, case, "on"))
+            noest = runs.get((size, case, "noest"))
+            if off is None and on is None and noest is None:
+                continue
+            if tp > 1:
+                rows.append(build_tp_row(size, case, off, on, off_switch, tp, noest))
+            else:
+                rows.append(build_row(size, case, off, on, off_switch, noest))
+    return rows
 
 
-def fmt_pair(a: Any, b: Any, f: Any = str) -> str:
-    return f"{'-' if a is None else f(a)} / {'-' if b is None else f(b)}"
-
-
-def fmt_owners(owners: dict[str, dict[str, float | None]]) -> str:
-    if not owners:
-        return "-"
-    return "; ".join(
-        f"{name} {mib(v.get('estimate'))} / {mib(v.get('actual'))}" for name, v in owners.items()
-    )
-
-
-COLUMNS = (
-    "size",
-    "case",
-    "upstream est. (off) MiB",
-    "plugin est. (on) MiB",
-    "plugin budget (on) MiB",
-    "actual (on) MiB",
-    "actual (off) MiB",
-    "plugin error % (MiB)",
-    "upstream error % (MiB)",
-    "retained after profile off / on MiB",
-    "budget - (retained + actual) off / on MiB",
-    "KV tokens off / on",
-    "start-up s off / on",
-    "profile / capture wall (on)",
-    "tokens on = off",
-    "per owner est. / actual (on) MiB",
-    "check",
-)
-
-
-def row_cells(row: dict) -> list[str]:
-    ratio = row["profile_capture_wall_ratio_on"]
+def load_rows(runs: dict[Key, Run]) -> list[dict]:
+    pairs = sorted({(g, c) for g, c, _ in runs}, key=lambda p: (group_order(p[0]), p[1]))
     return [
-        row["size"],
-        row["case"]
-        + ("" if row.get("off_switch", "off") == "off" else f" (off={row['off_switch']})")
-        + (f" [rank {row['worst_rank']} of {row['tp']}]" if "worst_rank" in row else ""),
-        mib(row["upstream_estimate_bytes"]),
-        mib(row["plugin_estimate_bytes"]),
-        mib(row["plugin_budget_bytes"]),
-        mib(row["actual_on_bytes"]),
-        mib(row["actual_off_bytes"]),
-        fmt_err(row["plugin_error_bytes"], row["plugin_error_pct"]),
-        fmt_err(row["upstream_error_bytes"], row["upstream_error_pct"]),
-        fmt_pair(row["retained_off_bytes"], row["retained_on_bytes"], mib),
-        fmt_pair(row["budget_minus_taken_off_bytes"], row["budget_minus_taken_on_bytes"], mib),
-        fmt_pair(row["kv_tokens_off"], row["kv_tokens_on"], lambda x: f"{x:,}"),
-        fmt_pair(row["startup_off_s"], row["startup_on_s"], lambda x: f"{x:.1f}"),
-        "-" if ratio is None else f"{ratio:.2f}",
-        str(row["tokens_equal_on_off"]) if row["tokens_equal_on_off"] is not None else "-",
-        fmt_owners(row["owners_on"]),
-        row["status"],
+        summarize_load.build_row(g, c, runs.get((g, c, "off")), runs.get((g, c, "on")))
+        for g, c in pairs
     ]
 
 
-def markdown(doc: dict) -> str:
-    out = ["# vLLM 0.33.0 CUDA-graph memory: vllm-specgraph off and on", ""]
-    out.append(
-        "Real vLLM 0.33.0 (Model Runner V2, FULL CUDA graphs, Triton attention, dummy "
-        "weights) through `scripts/device-vllm-e2e.sh`; every run in its own process. "
-        "Off: the plugin is loaded with `VLLM_SPECGRAPH=0` (patches nothing), so the "
-        "estimate is upstream's. On: `VLLM_PLUGINS=specgraph`."
-    )
-    out.append("")
-    for size, meta in doc["sizes"].items():
-        st = meta.get("settings") or {}
-        parts = [
-            f"{label}{st[key]}"
-            for key, label in (
-                ("model", ""),
-                ("dtype", ""),
-                ("max_num_seqs", "max_num_seqs "),
-                ("max_model_len", "max_model_len "),
-                ("max_num_batched_tokens", "max_num_batched_tokens "),
-                ("gpu_memory_utilization", "gpu_memory_utilization "),
-                ("num_capture_sizes", "capture sizes: "),
-                ("tensor_parallel_size", "tensor_parallel_size "),
-            )
-            if st.get(key) is not None
-        ]
-        where = meta.get("nvidia_smi") or meta.get("gpu") or "an unrecorded GPU"
-        out.append(
-            f"* `{size}` ({', '.join(parts)}): measured {meta.get('measured_utc')} UTC on "
-            f"{where}, torch {meta.get('torch')}, vLLM {meta.get('vllm')}."
-        )
-    out.append("")
-    out.append("| " + " | ".join(COLUMNS) + " |")
-    out.append("|" + "|".join("---" if i < 2 else "---:" for i in range(len(COLUMNS))) + "|")
-    for row in doc["rows"]:
-        out.append("| " + " | ".join(row_cells(row)) + " |")
-    out.append("")
-    if doc.get("skipped"):
-        out.append(f"Not run (the script's time budget ran out): {', '.join(doc['skipped'])}.")
-        out.append("")
-    t = doc["targets"]
-    out.append(
-        f"Check (plugin on): |estimate - actual| <= max({t['estimate_tolerance_fraction']:.0%}"
-        f" of actual, {t['estimate_tolerance_bytes'] / MiB:.0f} MiB); driver-level memory "
-        f"still taken after the profile returned <= {t['retained_max_bytes'] / MiB:.0f} MiB; "
-        "greedy tokens equal to the plugin-off run."
-    )
-    out.append("")
-    out.append(
-        "Upstream estimate: the return of `GPUModelRunner.profile_cudagraph_memory`. "
-        "Plugin estimate: the graph bytes of the plugin's report; plugin budget: what "
-        "the plugin returns to vLLM, the graphs plus what the profile left with the "
-        "process (one-time state, such as kernels loaded by the first capture, that a "
-        "second pass showed is not taken again). Actual: the return of `capture_model` "
-        "for the production capture (driver-level free memory before minus after). "
-        "Errors are estimate minus actual, in % of actual (MiB). Retained: driver-level "
-        "bytes still taken when the profile returned; the check allows the plugin's "
-        "one-time bytes, which its budget holds. Budget - (retained + actual): what "
-        "vLLM subtracted for graphs from the KV-cache budget, minus what the profile "
-        "left taken and the production capture then took; negative means the KV cache "
-        "was sized too large by that much. KV tokens: "
-        "`num_gpu_blocks * block_size`. Start-up: the `LLM(...)` constructor. Wall ratio: "
-        "the profile call over the production `capture_model` call. Per owner: the "
-        "plugin's own report (`runner.specgraph_profile`)."
-    )
-    out.append("")
-    return "\n".join(out)
+def carry_over(doc: dict, prev: dict, source: str) -> None:
+    """Add the rows (and group settings) of ``prev`` whose (size group, case)
+    this invocation has no row for."""
+    for field in ("rows", "tight_rows"):
+        here = {(r["size"], r["case"]) for r in doc[field]}
+        carried = [r for r in prev.get(field) or [] if (r["size"], r["case"]) not in here]
+        doc[field] += carried
+        for r in carried:
+            print(f"carried over from {source}: {field} {r['size']}/{r['case']}")
+    here_runs = {(r["size"], r["case"]) for r in doc["runs"]}
+    doc["runs"] += [r for r in prev.get("runs") or [] if (r["size"], r["case"]) not in here_runs]
+    for group, meta in (prev.get("sizes") or {}).items():
+        doc["sizes"].setdefault(group, meta)
+
+
+def row_order(r: dict) -> tuple:
+    return (group_order(r["size"]), CASES.index(r["case"]) if r["case"] in CASES else 99)
+
+
+def runs_ok(kinds: dict[str, dict[Key, Run]], skipped: list[str]) -> bool:
+    """Every run ran, except that a tight run with the plugin off or without an
+    estimate may stop: running out of memory is what it measures."""
+    needed = [r for kind in ("memory", "load") for r in kinds[kind].values()]
+    needed += [r for (_, _, switch), r in kinds["tight"].items() if switch == "on"]
+    return bool(needed) and not skipped and all(r.get("ok") for r in needed)
+
+
+def print_rows(label: str, rows: list[dict], module: Any, first: int) -> None:
+    """Each row's check, then its cells from column ``first`` on."""
+    for r in rows:
+        cells = dict(zip(module.COLUMNS, module.row_cells(r), strict=True))
+        print(f"[{label}{r['size']}/{r['case']}] {cells['check']}")
+        for col in module.COLUMNS[first:-1]:
+            print(f"    {col}: {cells[col]}")
+
+
+def graph_memory_doc(
+    kinds: dict[str, dict[Key, Run]], outdir: str, skipped: list[str]
+) -> dict[str, Any]:
+    runs = kinds["memory"]
+    return {
+        "schema": SCHEMA,
+        "generated_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
+        "targets": {
+            "estimate_tolerance_fraction": EST_TOL_FRACTION,
+            "estimate_tolerance_bytes": EST_TOL_BYTES,
+            "retained_max_bytes": RETAINED_MAX_BYTES,
+        },
+        "sizes": {s: size_meta(s, runs, outdir) for s in {k[0] for k in runs}},
+        "rows": memory_rows(runs),
+        "tight_rows": summarize_tight.build_rows(kinds["tight"]),
+        "runs": [
+            compact_run(k, r)
+            for kind in ("memory", "tight")
+            for k, r in sorted(kinds[kind].items())
+        ],
+        "skipped": skipped,
+    }
+
+
+def write_graph_memory(doc: dict[str, Any], results_dir: str) -> None:
+    os.makedirs(results_dir, exist_ok=True)
+    jpath = os.path.join(results_dir, f"{RESULTS_NAME}.json")
+    mpath = os.path.join(results_dir, f"{RESULTS_NAME}.md")
+    with open(jpath, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    with open(mpath, "w") as f:
+        f.write(summarize_table.markdown(doc))
+    print(f"wrote {jpath} and {mpath} ({len(doc['rows'])} rows, {len(doc['tight_rows'])} tight)")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("outdir")
     ap.add_argument("--results", help="where to write the table (default OUTDIR/bench/results)")
-    ap.add_argument("--previous", help="an earlier vllm_graph_memory.json to carry rows from")
+    ap.add_argument(
+        "--previous",
+        help="an earlier vllm_graph_memory.json to carry rows from (and vllm_load.json next to it)",
+    )
     args = ap.parse_args(argv)
     outdir = args.outdir
     results_dir = args.results or os.path.join(outdir, "bench", "results")
 
-    runs = load_runs(outdir)
+    kinds = load_runs(outdir)
     skipped: list[str] = []
     skipped_txt = os.path.join(outdir, "skipped.txt")
     if os.path.exists(skipped_txt):
@@ -657,82 +716,49 @@ def main(argv: list[str] | None = None) -> int:
     print("=" * 72)
     print("vLLM 0.33.0 end-to-end on the GPU (MRV2, FULL CUDA graphs, Triton attention)")
     print("=" * 72)
-    if not runs:
+    if not any(kinds.values()):
         print(f"no run results in {outdir}")
-    for key in sorted(runs, key=lambda k: (group_order(k[0]), CASES.index(k[1]), k[2])):
-        print_run(key, runs[key])
-    spec_eq = compare_tokens(runs)
+    for kind, these in kinds.items():
+        for key in sorted(these, key=lambda k: (group_order(k[0]), CASES.index(k[1]), k[2])):
+            print_run(key if kind == "memory" else (*key, kind), these[key])
+    spec_eq = compare_tokens(kinds["memory"])
 
-    sizes_here = sorted({k[0] for k in runs}, key=group_order)
-    rows = []
-    for size in sizes_here:
-        tp = split_group(size)[1]
-        for case in CASES:
-            has_none = (size, case, "none") in runs
-            off_switch = "none" if has_none and (size, case, "off") not in runs else "off"
-            off, on = runs.get((size, case, off_switch)), runs.get((size, case, "on"))
-            if off is None and on is None:
-                continue
-            if tp > 1:
-                rows.append(build_tp_row(size, case, off, on, off_switch, tp))
-            else:
-                rows.append(build_row(size, case, off, on, off_switch))
-
-    doc: dict[str, Any] = {
-        "schema": SCHEMA,
-        "generated_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
-        "targets": {
-            "estimate_tolerance_fraction": EST_TOL_FRACTION,
-            "estimate_tolerance_bytes": EST_TOL_BYTES,
-            "retained_max_bytes": RETAINED_MAX_BYTES,
-        },
-        "sizes": {s: size_meta(s, runs, outdir) for s in sizes_here},
-        "rows": rows,
-        "runs": [compact_run(k, r) for k, r in sorted(runs.items())],
-        "skipped": skipped,
-    }
+    doc = graph_memory_doc(kinds, outdir, skipped)
+    rows, tight_rows = list(doc["rows"]), list(doc["tight_rows"])
     if args.previous and os.path.exists(args.previous):
         with open(args.previous) as f:
             prev = json.load(f)
-        if prev.get("schema") == SCHEMA:
-            for s, meta in prev.get("sizes", {}).items():
-                if s not in doc["sizes"]:
-                    doc["sizes"][s] = meta
-                    doc["rows"] += [r for r in prev.get("rows", []) if r.get("size") == s]
-                    doc["runs"] += [r for r in prev.get("runs", []) if r.get("size") == s]
-                    print(
-                        f"carried over from {args.previous}: size {s} ({meta.get('measured_utc')})"
-                    )
+        if prev.get("schema") in READABLE_SCHEMAS:
+            carry_over(doc, prev, args.previous)
     doc["sizes"] = dict(sorted(doc["sizes"].items(), key=lambda kv: group_order(kv[0])))
-    doc["rows"].sort(key=lambda r: (group_order(r["size"]), CASES.index(r["case"])))
-
+    doc["rows"].sort(key=row_order)
+    doc["tight_rows"].sort(key=row_order)
     print("-" * 72)
     print("plugin off vs on (MiB unless stated)")
-    for r in doc["rows"]:
-        if r["size"] not in sizes_here:
-            continue
-        c = dict(zip(COLUMNS, row_cells(r), strict=True))
-        print(f"[{r['size']}/{r['case']}] {c['check']}")
-        for col in COLUMNS[2:-1]:
-            print(f"    {col}: {c[col]}")
-    os.makedirs(results_dir, exist_ok=True)
-    jpath = os.path.join(results_dir, f"{RESULTS_NAME}.json")
-    mpath = os.path.join(results_dir, f"{RESULTS_NAME}.md")
-    with open(jpath, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    with open(mpath, "w") as f:
-        f.write(markdown(doc))
-    print(f"wrote {jpath} and {mpath} ({len(doc['rows'])} rows)")
+    print_rows("", sorted(rows, key=row_order), summarize_table, 3)
+    print_rows("tight ", sorted(tight_rows, key=row_order), summarize_tight, 2)
+    write_graph_memory(doc, results_dir)
+
+    loads = load_rows(kinds["load"])
+    if loads:
+        prev_load = None
+        if args.previous:
+            prev_load = os.path.join(
+                os.path.dirname(args.previous), f"{summarize_load.RESULTS_NAME}.json"
+            )
+        print_rows("load ", loads, summarize_load, 2)
+        paths = summarize_load.write(loads, results_dir, prev_load)
+        print(f"wrote {paths[0]} and {paths[1]} ({len(loads)} rows)")
 
     if skipped:
         print(f"skipped for lack of time: {' '.join(skipped)}")
-    ran = bool(runs) and not skipped and all(r.get("ok") for r in runs.values())
-    mine = [r for r in doc["rows"] if r["size"] in sizes_here]
+    ran = runs_ok(kinds, skipped)
+    all_runs = [r for these in kinds.values() for r in these.values()]
+    mine = rows + tight_rows + loads  # this invocation's rows decide
     passed = sum(r["pass"] for r in mine)
     print(
-        f"SUMMARY: all runs ok={ran} ({sum(bool(r.get('ok')) for r in runs.values())}/"
-        f"{len(runs)}), rows PASS={passed}/{len(mine)}, "
+        f"SUMMARY: all runs ok={ran} ({sum(bool(r.get('ok')) for r in all_runs)}/"
+        f"{len(all_runs)}), rows PASS={passed}/{len(mine)}, "
         f"speculative outputs equal baseline={spec_eq}"
     )
     return 0 if ran and mine and passed == len(mine) else 1
