@@ -388,6 +388,22 @@ def test_profile_first_pass_keeps_memory_measures_again_and_budgets_it(vllm_env)
     assert sum(1 for e in env.events if e[0] == "capture_model") == 2
 
 
+def test_profile_budget_holds_communicator_workspace_made_after_kv_sizing(
+    vllm_env, monkeypatch, caplog
+):
+    from vllm_specgraph.patches.distributed.device_communicators import (
+        flashinfer_pcie_ipc_all_reduce as pcie_ipc,
+    )
+
+    env = vllm_env
+    monkeypatch.setattr(pcie_ipc, "communicator_bytes_after_kv_cache", lambda runner: 6 * MIB)
+    with caplog.at_level("INFO", logger="vllm.specgraph"):
+        budget = env.cudagraph_utils.profile_cudagraph_memory(_runner(env))
+    assert budget == 46 * MIB, "40 MiB of graphs and the 6 MiB workspace"
+    [line] = [r.message for r in caplog.records if "memory profile" in r.message]
+    assert "budget 46.0 MiB (with 6.0 MiB of communicator workspace" in line
+
+
 def test_profile_without_kept_memory_captures_once(vllm_env):
     env = vllm_env
     env.cudagraph_utils.profile_cudagraph_memory(_runner(env))

@@ -352,29 +352,35 @@ def _profile_cudagraph_memory(upstream: Callable[[Any], int]) -> Callable[[Any],
             and not runner.needs_cudagraph_capture()
         ):
             return 0
+        from vllm_specgraph.patches.distributed.device_communicators import (
+            flashinfer_pcie_ipc_all_reduce as pcie_ipc,
+        )
         from vllm_specgraph.patches.v1.worker.gpu.model_runner import SpecgraphCapture
 
         report, phases = exact_cudagraph_memory(runner)
         runner.specgraph_profile = SpecgraphCapture(estimate=report, phase_seconds=phases)
+        # Communicator workspaces vLLM makes after sizing the KV cache come out of it too.
+        after_kv_cache = pcie_ipc.communicator_bytes_after_kv_cache(runner)
         logger.info(
             "vllm-specgraph: CUDA graph memory profile: %s; graphs %.1f MiB in %d graphs; "
             "kept by the process since: one-time %.2f MiB, left by the last pass %.2f MiB; "
-            "budget %.1f MiB; %.2f s (%s)",
+            "budget %.1f MiB%s; %.2f s (%s)",
             _format_owners(report.owners),
             report.total_driver_bytes / _MIB,
             sum(o.num_graphs for o in report.owners),
             report.one_time_bytes / _MIB,
             report.retained_bytes / _MIB,
-            budget_bytes(report) / _MIB,
+            (budget_bytes(report) + after_kv_cache) / _MIB,
+            (
+                f" (with {after_kv_cache / _MIB:.1f} MiB of communicator workspace made "
+                "after the KV cache)"
+            )
+            if after_kv_cache
+            else "",
             report.wall_seconds,
             ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in phases.items()),
         )
-        from vllm_specgraph.patches.distributed.device_communicators import (
-            flashinfer_pcie_ipc_all_reduce as pcie_ipc,
-        )
-
-        # Communicator workspaces vLLM makes after sizing the KV cache come out of it too.
-        return budget_bytes(report) + pcie_ipc.communicator_bytes_after_kv_cache(runner)
+        return budget_bytes(report) + after_kv_cache
 
     profile_cudagraph_memory.__specgraph__ = True
     return profile_cudagraph_memory
