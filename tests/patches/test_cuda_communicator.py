@@ -54,10 +54,26 @@ def env(install_patch, monkeypatch):
         out.copy_(staged)
 
     monkeypatch.setattr(allreduce_module, "_run_symm_mem_op", copy_kernel)
+    # Two GPUs on one node with peer access, as on the machine the GPU runs use.
+    topology = SimpleNamespace(same_node=True, peer_access=True)
+    import vllm.distributed.parallel_state as parallel_state
+
+    monkeypatch.setattr(
+        parallel_state, "in_the_same_node_as", lambda pg, source_rank=0: [topology.same_node]
+    )
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: topology.peer_access)
     recorder = _LineRecorder()
     monkeypatch.setattr(module, "logger", recorder)
     monkeypatch.delenv("VLLM_SPECGRAPH_ALLREDUCE", raising=False)
-    yield SimpleNamespace(module=module, made=made, kernel_calls=kernel_calls, lines=recorder.lines)
+    yield SimpleNamespace(
+        module=module,
+        made=made,
+        kernel_calls=kernel_calls,
+        lines=recorder.lines,
+        topology=topology,
+    )
     dist.destroy_process_group()
 
 
@@ -77,7 +93,7 @@ def _communicator(module, unique_name="tp:0", **backends):
     communicator.world_size = 2  # as vLLM sees the group; the test's gloo group has one rank
     communicator.unique_name = unique_name
     communicator.device = torch.device("cuda", 0)
-    communicator.device_group = dist.group.WORLD
+    communicator.device_group = communicator.cpu_group = dist.group.WORLD
     communicator._log_all_reduce_backend_selection()
     return communicator
 
@@ -114,6 +130,24 @@ def test_mode_0_and_groups_other_than_tp_never_get_it(env, monkeypatch):
     assert _communicator(env.module, unique_name="pp:0").specgraph_all_reduce is None
     monkeypatch.setenv("VLLM_SPECGRAPH_ALLREDUCE", "0")
     assert _communicator(env.module).specgraph_all_reduce is None
+    assert env.made == []
+
+
+@pytest.mark.parametrize("missing", ["same_node", "peer_access"])
+def test_auto_keeps_vllms_all_reduce_where_peers_are_out_of_reach(env, missing, caplog):
+    setattr(env.topology, missing, False)
+    with caplog.at_level("INFO", logger="vllm.specgraph"):
+        communicator = _communicator(env.module)
+    assert communicator.specgraph_all_reduce is None and env.made == []
+    assert "SPECGRAPH_P2P" not in env.lines[0]
+    assert any("keeps vLLM's all-reduce" in r.message for r in caplog.records)
+
+
+def test_mode_1_where_peers_are_out_of_reach_names_the_fix(env, monkeypatch):
+    monkeypatch.setenv("VLLM_SPECGRAPH_ALLREDUCE", "1")
+    env.topology.peer_access = False
+    with pytest.raises(RuntimeError, match="set VLLM_SPECGRAPH_ALLREDUCE=auto"):
+        _communicator(env.module)
     assert env.made == []
 
 
@@ -170,3 +204,38 @@ def test_communicator_without_the_patchs_attribute_keeps_vllms_all_reduce(env):
     x = torch.randn(3, dtype=BF16)
     assert torch.equal(communicator.all_reduce(x), x)
     assert env.kernel_calls == []
+
+
+def _vote_worker(rank: int, store_path: str, result_dir: str) -> None:
+    import datetime
+    from pathlib import Path
+
+    import vllm.distributed.parallel_state as parallel_state
+
+    from vllm_specgraph.patches.distributed.device_communicators.cuda_communicator import (
+        _peers_reachable,
+    )
+
+    # Two GPUs on one node; rank 1's GPU sees no peer access (faked: no GPU here).
+    parallel_state.in_the_same_node_as = lambda pg, source_rank=0: [True, True]
+    torch.cuda.current_device = lambda: rank
+    torch.cuda.device_count = lambda: 2
+    torch.cuda.can_device_access_peer = lambda this, other: rank == 0
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store_path}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    try:
+        (Path(result_dir) / f"rank{rank}").write_text(str(_peers_reachable(dist.group.WORLD)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reachability_is_a_vote_one_rank_without_peer_access_turns_it_off_on_both(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_vote_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["False", "False"]

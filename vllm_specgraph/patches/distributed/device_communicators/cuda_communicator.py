@@ -15,7 +15,9 @@ TP group's communicator gets the core's
 loads and stores only, never multicast, one channel per graph capture) at the
 head of its dispatch; vLLM's selection line names it (``SPECGRAPH_P2P``).
 ``VLLM_SPECGRAPH_ALLREDUCE`` says when: ``auto`` (default) where none of vLLM's
-fast paths is up, ``1`` always, ``0`` never. Inputs it would send to NCCL
+fast paths is up, ``1`` always, ``0`` never; in either of the first two only if
+the group's ranks vote that they all sit on one node with peer access between
+their GPUs (``1`` raises otherwise, naming the fix). Inputs it would send to NCCL
 (dtypes its kernels lack, sizes above its channel) take vLLM's own chain, as
 does a graph captured outside ``GroupCoordinator.graph_capture`` (which gives
 each capture its channel; see the ``parallel_state`` patch).
@@ -41,6 +43,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from vllm_specgraph.allreduce import Algorithm, PeerAllReduce
 from vllm_specgraph.patches._patching import PatchSet
@@ -87,7 +90,8 @@ def _fast_paths_up(communicator: Any) -> list[str]:
 
 
 def _wants_peer_all_reduce(communicator: Any) -> bool:
-    """Every rank of the group decides alike: the mode and vLLM's backends are the same."""
+    """Every rank of the group decides alike: the mode, vLLM's backends and the
+    reachability vote are the same on all of them."""
     from vllm import envs
 
     mode = allreduce_mode()
@@ -95,10 +99,39 @@ def _wants_peer_all_reduce(communicator: Any) -> bool:
         return False
     if communicator.world_size < 2 or communicator.device.type != "cuda":
         return False
-    if mode == "1":
-        return True
     # Its sums are exact at two ranks but the order is not fixed above that.
-    return not envs.VLLM_BATCH_INVARIANT and not _fast_paths_up(communicator)
+    if mode == "auto" and (envs.VLLM_BATCH_INVARIANT or _fast_paths_up(communicator)):
+        return False
+    if _peers_reachable(communicator.cpu_group):
+        return True
+    if mode == "1":
+        raise RuntimeError(
+            f"VLLM_SPECGRAPH_ALLREDUCE=1, but the ranks of {communicator.unique_name} are not "
+            "all on this node with peer access between their GPUs, which the peer "
+            "all-reduce needs; set VLLM_SPECGRAPH_ALLREDUCE=auto (or 0) to use vLLM's"
+        )
+    logger.info(
+        "vllm-specgraph: %s keeps vLLM's all-reduce: its ranks are not all on one node "
+        "with peer access between their GPUs",
+        communicator.unique_name,
+    )
+    return False
+
+
+def _peers_reachable(cpu_group: Any) -> bool:
+    """All ranks on one node, each with peer access to every other GPU it sees.
+
+    Collective over the group's gloo group: a vote, so every rank gets the same answer.
+    """
+    from vllm.distributed.parallel_state import in_the_same_node_as
+
+    same_node = all(in_the_same_node_as(cpu_group, source_rank=0))
+    this = torch.cuda.current_device()
+    others = (d for d in range(torch.cuda.device_count()) if d != this)
+    reachable = same_node and all(torch.cuda.can_device_access_peer(this, d) for d in others)
+    vote = torch.tensor([int(reachable)])
+    dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=cpu_group)
+    return bool(vote.item())
 
 
 class _PeerAllReduceListed:
