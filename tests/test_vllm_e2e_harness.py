@@ -132,9 +132,12 @@ def fake_classes(cuda: FakeCuda, est: int, retained: int, actual: int, kv: int) 
     return Runner, Worker
 
 
-def fake_metrics(drafts: int, draft_tokens: int, accepted: int) -> list[SimpleNamespace]:
+def fake_metrics(
+    drafts: int, draft_tokens: int, accepted: int, steps: int = 0
+) -> list[SimpleNamespace]:
     """``llm.get_metrics()`` entries as vLLM's reader makes them."""
     return [
+        SimpleNamespace(name="vllm:iteration_tokens_total", count=steps, sum=4.0 * steps),
         SimpleNamespace(name="vllm:spec_decode_num_drafts", value=drafts),
         SimpleNamespace(name="vllm:spec_decode_num_draft_tokens", value=draft_tokens),
         SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=accepted),
@@ -707,8 +710,9 @@ def test_peak_and_load_requests():
 
 
 def test_counter_delta_and_spec_counters():
-    before = workloads.read_spec_counters(fake_metrics(10, 30, 12))
+    before = workloads.read_spec_counters(fake_metrics(10, 30, 12, steps=40))
     assert before == {
+        "vllm:iteration_tokens_total": 40,
         "vllm:spec_decode_num_drafts": 10,
         "vllm:spec_decode_num_draft_tokens": 30,
         "vllm:spec_decode_num_accepted_tokens": 12,
@@ -734,8 +738,11 @@ def test_run_load_times_only_the_repeats():
     def counters() -> dict:
         # Every request drafts 3 times (9 draft tokens); a timed one has 6 of them
         # accepted, the warm-up's none (counted in, it would lower the rate).
+        # Every request takes 5 engine steps.
         n = sum(calls)
-        return workloads.read_spec_counters(fake_metrics(3 * n, 9 * n, 6 * sum(calls[1:])))
+        return workloads.read_spec_counters(
+            fake_metrics(3 * n, 9 * n, 6 * sum(calls[1:]), steps=5 * n)
+        )
 
     requests = [([1, 2], 5), ([3], 7)]
     warmup = [([1], 2)]
@@ -748,10 +755,9 @@ def test_run_load_times_only_the_repeats():
         clock=lambda: float(next(ticks)),
     )
     assert calls == [1, 2, 2]  # the warm-up first, then the timed repeats
-    assert out["repeats"] == [
-        {"wall_s": 1.0, "generated_tokens": 12, "tokens_per_s": 12.0},
-        {"wall_s": 1.0, "generated_tokens": 12, "tokens_per_s": 12.0},
-    ]
+    repeat = {"wall_s": 1.0, "generated_tokens": 12, "tokens_per_s": 12.0}
+    assert out["repeats"] == [repeat | {"engine_steps": 10, "step_ms": 100.0}] * 2
+    assert out["step_ms_median"] == 100.0
     assert out["tokens_per_s_best"] == out["tokens_per_s_median"] == 12.0
     assert out["repeats_equal"] is True and out["tokens"] == [[7] * 5, [7] * 7]
     assert out["spec"]["drafts"] == 12 and out["spec"]["acceptance_rate"] == round(24 / 36, 4)
@@ -967,6 +973,18 @@ def test_load_row_fails_outside_the_ratio_or_on_token_differences():
     assert row["status"] == "FAIL (tokens differ)"
     row = summarize_load.build_row("1b", "draft", None, run(1000.0, [[2]]))
     assert row["status"] == "FAIL (tokens missing; no tokens/s)"
+
+
+def test_load_row_reports_engine_step_time_off_and_on():
+    def run(step_ms: float) -> dict:
+        load = {"tokens_per_s_best": 1000.0, "step_ms_median": step_ms}
+        return {"ok": True, "tokens": [[1]], "load": load}
+
+    row = summarize_load.build_row("tiny-tp2", "draft", run(2.0), run(1.8))
+    assert (row["step_ms_off"], row["step_ms_on"], row["step_ratio_on_off"]) == (2.0, 1.8, 0.9)
+    cells = dict(zip(summarize_load.COLUMNS, summarize_load.row_cells(row), strict=True))
+    assert cells["engine step ms off / on (median)"] == "2.00 / 1.80"
+    assert cells["step on / off"] == "0.900"
 
 
 # ---- the device script's scheduling, with stand-ins for nvidia-smi and python3 ----

@@ -4,7 +4,9 @@
 One row per (size group, case) from the ``--workload load`` runs, plugin off
 and on: whether the greedy tokens are equal, generation tokens/s of each (best
 and median of the timed repeats; only ``generate()`` is timed, after a warm-up),
-their ratio, and the speculative acceptance rate over the timed repeats. A row
+their ratio, the mean engine-step time (median over the repeats: a repeat's
+wall time over the engine steps vLLM counted) and its ratio, and the
+speculative acceptance rate over the timed repeats. A row
 passes when the tokens are equal and on/off tokens/s is within the target.
 """
 
@@ -29,6 +31,8 @@ COLUMNS = (
     "tokens/s off (best / median)",
     "tokens/s on (best / median)",
     "on / off (best)",
+    "engine step ms off / on (median)",
+    "step on / off",
     "acceptance off / on",
     "mean acceptance length off / on",
     "tokens on = off",
@@ -46,6 +50,8 @@ def build_row(group: str, case: str, off: dict | None, on: dict | None) -> dict[
     lo, ln = _load(off), _load(on)
     best_off, best_on = lo.get("tokens_per_s_best"), ln.get("tokens_per_s_best")
     ratio = round(best_on / best_off, 4) if best_off and best_on else None
+    step_off, step_on = lo.get("step_ms_median"), ln.get("step_ms_median")
+    step_ratio = round(step_on / step_off, 4) if step_off and step_on else None
     tok_off = off.get("tokens") if off and off.get("ok") else None
     tok_on = on.get("tokens") if on and on.get("ok") else None
     equal = tok_on == tok_off if tok_on is not None and tok_off is not None else None
@@ -61,6 +67,9 @@ def build_row(group: str, case: str, off: dict | None, on: dict | None) -> dict[
         "tokens_per_s_off": {"best": best_off, "median": lo.get("tokens_per_s_median")},
         "tokens_per_s_on": {"best": best_on, "median": ln.get("tokens_per_s_median")},
         "ratio_on_off": ratio,
+        "step_ms_off": step_off,
+        "step_ms_on": step_on,
+        "step_ratio_on_off": step_ratio,
         "acceptance_off": (lo.get("spec") or {}).get("acceptance_rate"),
         "acceptance_on": (ln.get("spec") or {}).get("acceptance_rate"),
         "mean_acceptance_length_off": (lo.get("spec") or {}).get("mean_acceptance_length"),
@@ -107,6 +116,8 @@ def row_cells(row: dict[str, Any]) -> list[str]:
         _pair(off["best"], off["median"], lambda x: f"{x:,.0f}"),
         _pair(on["best"], on["median"], lambda x: f"{x:,.0f}"),
         "-" if row["ratio_on_off"] is None else f"{row['ratio_on_off']:.3f}",
+        _pair(row.get("step_ms_off"), row.get("step_ms_on"), lambda x: f"{x:.2f}"),
+        "-" if row.get("step_ratio_on_off") is None else f"{row['step_ratio_on_off']:.3f}",
         _pair(row["acceptance_off"], row["acceptance_on"], lambda x: f"{x:.3f}"),
         _pair(row["mean_acceptance_length_off"], row["mean_acceptance_length_on"]),
         "-" if row["tokens_equal_on_off"] is None else str(row["tokens_equal_on_off"]),

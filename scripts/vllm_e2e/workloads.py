@@ -142,14 +142,21 @@ def measure_step(cuda: Any, mem: dict[str, Any]) -> Iterator[None]:
     mem["step_reserved_peak_bytes"] = int(cuda.max_memory_reserved() - reserved)
 
 
+ENGINE_STEPS = "vllm:iteration_tokens_total"
+"""vLLM's histogram of tokens per engine step: its count is the number of steps."""
+
+
 def read_spec_counters(metrics: list[Any]) -> dict[str, Any]:
     """The spec-decode counters of ``llm.get_metrics()``: name -> value (a
-    counter) or values (the per-position vector)."""
+    counter) or values (the per-position vector); and, under ``ENGINE_STEPS``,
+    the number of engine steps so far."""
     out: dict[str, Any] = {}
     for m in metrics:
         if "spec_decode" in m.name:
             value = getattr(m, "value", None)
             out[m.name] = value if value is not None else getattr(m, "values", None)
+        elif m.name == ENGINE_STEPS:
+            out[m.name] = out.get(m.name, 0) + int(m.count)
     return out
 
 
@@ -200,26 +207,33 @@ def run_load(
 ) -> dict[str, Any]:
     """Warm up, then time ``repeats`` generates of ``requests``.
 
-    Returns tokens/s per repeat and their best and median, the greedy tokens
-    of the first repeat, whether every repeat gave the same tokens, and the
-    spec-decode counters over the timed repeats only."""
+    Returns tokens/s and the mean engine-step time per repeat (wall time over
+    the steps vLLM counted), the best and median tokens/s, the median step
+    time, the greedy tokens of the first repeat, whether every repeat gave the
+    same tokens, and the spec-decode counters over the timed repeats only."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     generate(warmup)
     before = read_counters()
     timings, tokens, same = [], None, True
     for _ in range(repeats):
+        steps_before = read_counters().get(ENGINE_STEPS)
         start = clock()
         out = generate(requests)
         wall = clock() - start
+        steps_after = read_counters().get(ENGINE_STEPS)
         generated = sum(len(t) for t in out)
         timings.append({"wall_s": round(wall, 4), "generated_tokens": generated})
         timings[-1]["tokens_per_s"] = round(generated / wall, 1) if wall > 0 else None
+        steps = None if None in (steps_before, steps_after) else steps_after - steps_before
+        timings[-1]["engine_steps"] = steps
+        timings[-1]["step_ms"] = round(1000 * wall / steps, 3) if steps else None
         if tokens is None:
             tokens = out
         same = same and out == tokens
     delta = counter_delta(before, read_counters())
     rates = [t["tokens_per_s"] for t in timings if t["tokens_per_s"] is not None]
+    step_times = [t["step_ms"] for t in timings if t["step_ms"] is not None]
     return {
         "num_requests": len(requests),
         "prompt_tokens": sum(len(ids) for ids, _ in requests),
@@ -228,6 +242,7 @@ def run_load(
         "repeats": timings,
         "tokens_per_s_best": max(rates) if rates else None,
         "tokens_per_s_median": statistics.median(rates) if rates else None,
+        "step_ms_median": statistics.median(step_times) if step_times else None,
         "repeats_equal": same,
         "spec_counters": delta,
         "spec": spec_summary(delta),
