@@ -314,10 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     for switch in ("on",) if args.no_compare else ("on", "off"):
         path = os.path.join(out_dir, f"{switch}.json")
         print(f"==> vLLM with vllm-specgraph {switch}, in a child process", flush=True)
-        command = [sys.executable, "-m", "vllm_specgraph.demo.vllm_demo", "--child", switch]
-        command += ["--out", path, "--configs", configs]
-        command += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-        rc = subprocess.run(command, check=False).returncode
+        child_argv = [sys.executable, "-m", "vllm_specgraph.demo.vllm_demo", "--child", switch]
+        child_argv += ["--out", path, "--configs", configs]
+        child_argv += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+        rc = subprocess.run(child_argv, check=False).returncode
         if rc != 0 or not os.path.exists(path):
             print(f"the engine with the plugin {switch} failed (exit {rc})", file=sys.stderr)
             return 1
