@@ -158,16 +158,32 @@ def test_bad_mode_names_the_variable_the_value_and_the_choices(env, monkeypatch)
     assert env.made == []
 
 
-def test_all_reduce_sends_what_the_peer_all_reduce_takes_to_it_the_rest_to_vllm(env):
+def test_captures_send_what_the_peer_all_reduce_takes_to_it_the_rest_to_vllm(env, monkeypatch):
+    communicator = _communicator(env.module)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    x = torch.randn(8, 16, dtype=BF16)
+    ints = torch.arange(6)
+    big = torch.randn(1 << 20, dtype=BF16)  # 2 MiB, above the test's 1 MiB channel
+    with communicator.specgraph_all_reduce.channel_pool.capture(owner="target"):
+        capturing[0] = True
+        assert torch.equal(communicator.all_reduce(x), x)
+        assert len(env.kernel_calls) == 1, "bf16 within the channel: the peer kernels"
+        assert torch.equal(communicator.all_reduce(ints), ints)  # vLLM's chain
+        assert torch.equal(communicator.all_reduce(big), big)
+        capturing[0] = False
+    assert len(env.kernel_calls) == 1
+
+
+def test_eager_all_reduces_take_vllms_chain_quietly_and_make_no_channel(env, caplog):
     communicator = _communicator(env.module)
     x = torch.randn(8, 16, dtype=BF16)
-    assert torch.equal(communicator.all_reduce(x), x)
-    assert len(env.kernel_calls) == 1, "bf16 within the channel: the peer kernels"
-    ints = torch.arange(6)
-    assert torch.equal(communicator.all_reduce(ints), ints)  # vLLM's chain: torch.distributed
-    big = torch.randn(1 << 20, dtype=BF16)  # 2 MiB, above the 1 MiB channel
-    assert torch.equal(communicator.all_reduce(big), big)
-    assert len(env.kernel_calls) == 1
+    with caplog.at_level("WARNING", logger="vllm.specgraph"):
+        assert torch.equal(communicator.all_reduce(x), x)
+    assert caplog.records == []
+    assert env.kernel_calls == []
+    assert communicator.specgraph_all_reduce.channel_pool.num_channels == 0
 
 
 def test_a_graph_captured_outside_graph_capture_uses_vllms_all_reduce(env, monkeypatch, caplog):

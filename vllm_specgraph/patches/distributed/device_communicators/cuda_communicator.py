@@ -17,15 +17,18 @@ head of its dispatch; vLLM's selection line names it (``SPECGRAPH_P2P``).
 ``VLLM_SPECGRAPH_ALLREDUCE`` says when: ``auto`` (default) where none of vLLM's
 fast paths is up, ``1`` always, ``0`` never; in either of the first two only if
 the group's ranks vote that they all sit on one node with peer access between
-their GPUs (``1`` raises otherwise, naming the fix). Inputs it would send to NCCL
-(dtypes its kernels lack, sizes above its channel) take vLLM's own chain, as
-does a graph captured outside ``GroupCoordinator.graph_capture`` (which gives
-each capture its channel; see the ``parallel_state`` patch).
+their GPUs (``1`` raises otherwise, naming the fix). It serves graph captures
+only: eager calls (prefill, steps without a graph) take vLLM's own chain, since
+launched one by one from the host the peer kernels are slower than NCCL
+(``bench/allreduce.py``). So do inputs it would send to NCCL (dtypes its
+kernels lack, sizes above its channel) and a graph captured outside
+``GroupCoordinator.graph_capture`` (which gives each capture its channel; see
+the ``parallel_state`` patch).
 
-Why: a channel that belongs to one graph cannot be overwritten by another
+Why: a channel that belongs to one capture cannot be overwritten by another
 owner's replay, and the disposable profile rolls back the channels of its
-throwaway graphs on every rank. Graph-replayed, the peer all-reduce also takes
-about 0.7x NCCL's time for decode-sized inputs on two H200s
+throwaway graphs on every rank. Graph-replayed, the peer all-reduce is also
+faster than NCCL at every size up to its channel on two H200s
 (``bench/allreduce.py``).
 
 vLLM private names used: ``CudaCommunicator._log_all_reduce_backend_selection``
@@ -183,9 +186,9 @@ def _wrap_all_reduce(all_reduce: Callable[[Any, torch.Tensor], torch.Tensor]) ->
     @functools.wraps(all_reduce)
     def all_reduce_peer_first(self: Any, input_: torch.Tensor) -> torch.Tensor:
         peer: PeerAllReduce | None = getattr(self, "specgraph_all_reduce", None)
-        if peer is None or peer.select(input_) is Algorithm.NCCL:
+        if peer is None or not _stream_is_capturing() or peer.select(input_) is Algorithm.NCCL:
             return all_reduce(self, input_)
-        if _stream_is_capturing() and not peer.channel_pool.in_capture():
+        if not peer.channel_pool.in_capture():
             if not warned:
                 warned.append(True)
                 logger.warning(
