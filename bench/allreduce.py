@@ -6,7 +6,8 @@ Two ranks (spawned, one GPU each, NVLink multicast off), bf16 inputs of 1 KiB to
   * one-shot, two-shot: PeerAllReduce with that kernel forced, on an 8 MiB channel;
   * NCCL:     torch.distributed.all_reduce in place (no copy).
 Eager: CUDA events around back-to-back calls, so host launch cost counts where it exceeds
-the GPU time. Graph: one graph of back-to-back calls per size and variant, replayed. Every
+the GPU time. Graph: one graph of back-to-back calls per size and variant, replayed. Each
+variant is timed 7 times, in turn with the others, and the median is reported. Every
 variant's sum is first checked bit for bit against NCCL's. Throwaway channels are rolled
 back after each size. Writes bench/results/allreduce.{json,md}, allreduce.png when
 matplotlib is importable (else: python bench/plot_allreduce.py), and prints one summary line.
@@ -17,8 +18,10 @@ matplotlib is importable (else: python bench/plot_allreduce.py), and prints one 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -41,6 +44,7 @@ WIDE_CHANNEL_BYTES = 8 << 20  # holds every size, so the forced kernels run at a
 VARIANTS = ("core", "one_shot", "two_shot", "nccl")
 EAGER_WARMUP, EAGER_CALLS = 20, 200
 GRAPH_CALLS, GRAPH_REPLAYS = 16, 20
+TRIALS = 7  # per variant, taken in turn with the other variants; the median is reported
 
 
 def _per_call_us(fn: Callable[[], object], calls: int, device: torch.device) -> float:
@@ -82,17 +86,24 @@ def _equal_to_nccl(core: PeerAllReduce, wide: PeerAllReduce, x: torch.Tensor) ->
     return all(torch.equal(y, ref) for y in sums)
 
 
-def _graph_per_call_us(fn, channel_pool, device: torch.device, owner: str) -> float:
+def _capture(fn, channel_pool, owner: str) -> torch.cuda.CUDAGraph:
     graph = torch.cuda.CUDAGraph()
     binding = nullcontext() if channel_pool is None else channel_pool.capture(owner=owner)
     with binding, torch.cuda.graph(graph):
         for _ in range(GRAPH_CALLS):
             fn()
     graph.replay()  # warm
-    us = _per_call_us(graph.replay, GRAPH_REPLAYS, device) / GRAPH_CALLS
-    torch.cuda.synchronize()
-    graph.reset()
-    return us
+    return graph
+
+
+def _median_per_call_us(timed: dict[str, Callable[[], float]]) -> dict[str, float]:
+    """Each variant timed TRIALS times, the variants in turn, so that a slow spell of the
+    machine lands on all of them rather than on one; the median trial of each."""
+    trials: dict[str, list[float]] = {name: [] for name in timed}
+    for _ in range(TRIALS):
+        for name, time_once in timed.items():
+            trials[name].append(time_once())
+    return {name: statistics.median(us) for name, us in trials.items()}
 
 
 def _measure_size(core: PeerAllReduce, wide: PeerAllReduce, nbytes: int, rank: int) -> dict:
@@ -106,16 +117,32 @@ def _measure_size(core: PeerAllReduce, wide: PeerAllReduce, nbytes: int, rank: i
     x = torch.zeros(numel, dtype=DTYPE, device=device)
     out = torch.zeros_like(x)
     variants = _variants(core, wide, x, out)
-    eager, graph = {}, {}
-    for name, (fn, _) in variants.items():
+    for fn, _ in variants.values():
         for _ in range(EAGER_WARMUP):
             fn()
-        eager[name] = _per_call_us(fn, EAGER_CALLS, device)
+    row["eager_us"] = _median_per_call_us(
+        {
+            name: functools.partial(_per_call_us, fn, EAGER_CALLS, device)
+            for name, (fn, _) in variants.items()
+        }
+    )
     cp = checkpoint_channel_pools([core.channel_pool, wide.channel_pool])
-    for name, (fn, channel_pool) in variants.items():
-        graph[name] = _graph_per_call_us(fn, channel_pool, device, f"bench-{name}")
+    graphs = {
+        name: _capture(fn, channel_pool, f"bench-{name}")
+        for name, (fn, channel_pool) in variants.items()
+    }
+    row["graph_us"] = _median_per_call_us(
+        {
+            name: lambda graph=graph: (
+                _per_call_us(graph.replay, GRAPH_REPLAYS, device) / GRAPH_CALLS
+            )
+            for name, graph in graphs.items()
+        }
+    )
+    torch.cuda.synchronize()
+    for graph in graphs.values():
+        graph.reset()
     rollback_channel_pools(cp)  # every graph above is reset: free their channels
-    row["eager_us"], row["graph_us"] = eager, graph
     return row
 
 
@@ -151,6 +178,7 @@ def _measure(rank: int, device: torch.device) -> dict:
         "forced_channel_bytes": WIDE_CHANNEL_BYTES,
         "eager_calls": EAGER_CALLS,
         "graph_calls": GRAPH_CALLS * GRAPH_REPLAYS,
+        "trials": TRIALS,
         "seconds": time.perf_counter() - started,
         "rows": rows,
     }
@@ -195,7 +223,8 @@ def render(result: dict) -> list[str]:
         f"two-shot up to its {_size(config['channel_bytes'])} channel, NCCL above); "
         f"one-shot/two-shot: forced, on a {_size(result['forced_channel_bytes'])} channel; "
         f"NCCL: torch.distributed.all_reduce in place. Eager: {result['eager_calls']} calls "
-        f"back to back; graph: {result['graph_calls']} calls replayed.",
+        f"back to back; graph: {result['graph_calls']} calls replayed; the median of "
+        f"{result.get('trials', 1)} trials, the variants timed in turn.",
         "",
         f"| size | core picks | sums = NCCL | {header} |",
         "|---|---|---|" + "---:|" * (2 * len(VARIANTS)),

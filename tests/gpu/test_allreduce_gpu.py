@@ -101,18 +101,18 @@ def _assert_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 # --- (a) every algorithm, eager and in a graph ---------------------------------------------
 
-# (shape, dtype, what the default config picks). Default: one-shot up to 256 KiB, two-shot
-# up to the 1 MiB channel, NCCL above; 60-byte inputs take the kernels' 4-byte vector path.
+# (shape, dtype, what the default config picks). Default: one-shot up to 512 KiB, two-shot
+# up to the 8 MiB channel, NCCL above; 60-byte inputs take the kernels' 4-byte vector path.
 _EAGER_CASES = (
     ((2,), torch.bfloat16, Algorithm.ONE_SHOT),
     ((1,), torch.float32, Algorithm.ONE_SHOT),
     ((3, 5), torch.float32, Algorithm.ONE_SHOT),
     ((5, 6), torch.bfloat16, Algorithm.ONE_SHOT),
     ((4, 1024), torch.bfloat16, Algorithm.ONE_SHOT),
-    ((64, 1024), torch.float32, Algorithm.ONE_SHOT),  # 256 KiB: the one-shot limit
-    ((150, 1000), torch.bfloat16, Algorithm.TWO_SHOT),
-    ((256, 1024), torch.float32, Algorithm.TWO_SHOT),  # 1 MiB: fills the channel
-    ((256 * 1024 + 1,), torch.float32, Algorithm.NCCL),  # exceeds the channel
+    ((128, 1024), torch.float32, Algorithm.ONE_SHOT),  # 512 KiB: the one-shot limit
+    ((300, 1000), torch.bfloat16, Algorithm.TWO_SHOT),
+    ((2048, 1024), torch.float32, Algorithm.TWO_SHOT),  # 8 MiB: fills the channel
+    ((2048 * 1024 + 1,), torch.float32, Algorithm.NCCL),  # exceeds the channel
     ((3,), torch.bfloat16, Algorithm.NCCL),  # 6 bytes: no multiple of 4
     ((64, 64), torch.float16, Algorithm.NCCL),  # a dtype the kernels lack
 )
@@ -166,7 +166,7 @@ def test_eager_and_graph_sums_equal_nccl_for_every_algorithm(tmp_path):
 
 # --- (b) target and draft graphs, interleaved ---------------------------------------------
 
-_TARGET_SHAPE = (256, 1024)  # 512 KiB bf16: two-shot
+_TARGET_SHAPE = (512, 1024)  # 1 MiB bf16: two-shot
 _TARGET_SMALL_SHAPE = (8, 1024)  # 32 KiB fp32: one-shot
 _DRAFT_SHAPE = (16, 1024)  # 32 KiB bf16: one-shot
 _NUM_STEPS = 1000

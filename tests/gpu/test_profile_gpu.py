@@ -56,37 +56,6 @@ def _check_replays_equal_eager(setup) -> None:
             _assert_replay_equals_eager(graph_set, bs)
 
 
-def _large_setup():
-    """Graphs large enough that the tolerance means something: with at least 100 MiB per
-    owner, max(1 %, 2 MiB) admits 2 % at most (a draft of a few MiB would let 50 % pass).
-    The draft is the wider model, as the owner whose estimate is easier to get wrong."""
-    return build_toy_setup(
-        (*BATCH_SIZES, 768, 1024, 1536, 2048),
-        target=ToyConfig(hidden=4096, num_heads=32, num_layers=4),
-        draft=ToyConfig(hidden=8192, num_heads=64, num_layers=2),
-    )
-
-
-def test_profile_graph_memory_estimate_matches_production_capture():
-    setup = _large_setup()
-    report = _profile(setup)
-    print("\n" + report.format_table())
-    recorders = []
-    actual = measure_captures(
-        setup.owners(), torch.cuda.graph_pool_handle(), [setup.channel_pool], recorders
-    )
-    for est, act in zip(report.owners, actual, strict=True):
-        print(
-            f"{est.owner}: estimate {est.driver_bytes / MIB:.2f} MiB, "
-            f"actual {act.driver_bytes / MIB:.2f} MiB"
-        )
-        assert act.driver_bytes >= 100 * MIB, f"{act.owner}: too small to test the tolerance"
-        assert _close(est.driver_bytes, act.driver_bytes), (est, act)
-    total = sum(a.driver_bytes for a in actual)
-    assert _close(report.total_driver_bytes, total)
-    _check_replays_equal_eager(setup)
-
-
 def test_profile_graph_memory_gives_every_byte_back_and_repeats():
     setup = build_toy_setup()
     setup.channel_pool.current()  # the eager channel is production state that warm-up creates
@@ -204,3 +173,35 @@ def test_profile_graph_memory_oom_inside_draft_capture_restores_everything():
         setup.owners(), torch.cuda.graph_pool_handle(), [setup.channel_pool], recorders
     )
     _assert_replay_equals_eager(draft, 7)
+
+
+def _large_setup():
+    """Graphs large enough that the tolerance means something: with at least 100 MiB per
+    owner, max(1 %, 2 MiB) admits 2 % at most (a draft of a few MiB would let 50 % pass).
+    The draft is the wider model, as the owner whose estimate is easier to get wrong. Last in
+    this file: its models take several GB."""
+    return build_toy_setup(
+        (*BATCH_SIZES, 768, 1024, 1536, 2048),
+        target=ToyConfig(hidden=6144, num_heads=48, num_layers=4),
+        draft=ToyConfig(hidden=8192, num_heads=64, num_layers=2),
+    )
+
+
+def test_profile_graph_memory_estimate_matches_production_capture():
+    setup = _large_setup()
+    report = _profile(setup)
+    print("\n" + report.format_table())
+    recorders = []
+    actual = measure_captures(
+        setup.owners(), torch.cuda.graph_pool_handle(), [setup.channel_pool], recorders
+    )
+    for est, act in zip(report.owners, actual, strict=True):
+        print(
+            f"{est.owner}: estimate {est.driver_bytes / MIB:.2f} MiB, "
+            f"actual {act.driver_bytes / MIB:.2f} MiB"
+        )
+        assert act.driver_bytes >= 100 * MIB, f"{act.owner}: too small to test the tolerance"
+        assert _close(est.driver_bytes, act.driver_bytes), (est, act)
+    total = sum(a.driver_bytes for a in actual)
+    assert _close(report.total_driver_bytes, total)
+    _check_replays_equal_eager(setup)
