@@ -940,26 +940,33 @@ def test_tight_row_fails_when_the_plugin_run_stops():
 
 
 def test_table_cells_of_the_committed_results():
-    """The rows in bench/results (schema 1, before the noest and over-budget
-    figures) render with "-" where a figure is missing."""
+    """The rows in bench/results render: those carried over from schema 1 (no noest
+    run, no over-budget figures) with "-" where a figure is missing, those with a
+    noest run with its third figure."""
     path = os.path.join(os.path.dirname(SCRIPTS), "bench", "results", "vllm_graph_memory.json")
     with open(path) as f:
         doc = json.load(f)
     rows = {(r["size"], r["case"]): r for r in doc["rows"]}
-    cells = dict(
-        zip(
-            summarize_table.COLUMNS,
-            summarize_table.row_cells(rows[("1b", "base")]),
-            strict=True,
-        )
+
+    def cells(size: str, case: str) -> dict[str, str]:
+        row_cells = summarize_table.row_cells(rows[(size, case)])
+        return dict(zip(summarize_table.COLUMNS, row_cells, strict=True))
+
+    carried = cells("1b", "eagle")
+    assert carried["graph estimate upstream (off) / plugin (on) / none (noest) MiB"] == (
+        "518.0 / 402.0"
     )
-    assert cells["graph estimate upstream (off) / plugin (on) / none (noest) MiB"] == (
-        "248.0 / 134.0"
+    assert carried["over budget at rest off / on / noest MiB"] == "- / -"
+    assert carried["measured (UTC)"] == "-"
+    with_noest = cells("1b", "base")
+    assert with_noest["graph estimate upstream (off) / plugin (on) / none (noest) MiB"] == (
+        "248.0 / 134.0 / 0.0"
     )
-    assert cells["over budget at rest off / on / noest MiB"] == "- / -"
-    assert cells["KV tokens off / on / noest"] == "2,191,728 / 2,191,344"
-    assert cells["budget - (retained + actual) off / on / noest MiB"] == "-30.0 / 0.0"
-    assert cells["capture sizes"] == "default" and cells["check"] == "PASS"
+    assert with_noest["KV tokens off / on / noest"] == "2,191,728 / 2,191,344 / 2,199,664"
+    assert with_noest["budget - (retained + actual) off / on / noest MiB"] == (
+        "-30.0 / 0.0 / -298.0"
+    )
+    assert with_noest["capture sizes"] == "default (51)" and with_noest["check"] == "PASS"
     assert "| 1b | default | eagle |" in summarize_table.markdown(doc | {"tight_rows": []})
 
 
