@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import sys
+from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -851,7 +852,8 @@ def test_summarize_noest_capture_sets_tight_and_load(tmp_path, capsys):
 
     for switch, rate in (("off", 1000.0), ("on", 1010.0)):
         load = fake_run("1b", "draft", switch, tokens=toks, workload="load", **on_fig)
-        load["load"]["tokens_per_s_best"] = rate
+        for repeat in load["load"]["repeats"]:
+            repeat["tokens_per_s"] = rate
         load["gpu"] = {"visible_devices": "1"}
         write(load, f"load-{switch}")
 
@@ -890,7 +892,7 @@ def test_summarize_noest_capture_sets_tight_and_load(tmp_path, capsys):
     )
 
     loads = json.loads((res / "vllm_load.json").read_text())["rows"]
-    assert [(r["size"], r["case"], r["ratio_on_off"], r["pass"]) for r in loads] == [
+    assert [(r["size"], r["case"], r["ratio_on_off_median"], r["pass"]) for r in loads] == [
         ("1b", "draft", 1.01, True)
     ]
     load_md = (res / "vllm_load.md").read_text()
@@ -970,28 +972,159 @@ def test_table_cells_of_the_committed_results():
     assert "| 1b | default | eagle |" in summarize_table.markdown(doc | {"tight_rows": []})
 
 
-def test_load_row_fails_outside_the_ratio_or_on_token_differences():
-    def run(rate: float, tokens: list) -> dict:
-        return {"ok": True, "tokens": tokens, "load": {"tokens_per_s_best": rate}}
+def load_run(
+    rates: list[float],
+    round_: int = 1,
+    tokens: list | None = None,
+    steps: list[float] | None = None,
+    spec: tuple[int, int, int] = (0, 0, 0),
+) -> dict:
+    """A load run's result: one timed repeat per rate (and step time)."""
+    repeats = [
+        {"generated_tokens": 3, "tokens_per_s": rate, "step_ms": step}
+        for rate, step in zip(rates, steps or [None] * len(rates), strict=True)
+    ]
+    drafts, draft_tokens, accepted = spec
+    load = {
+        "num_requests": 2,
+        "repeats": repeats,
+        "repeats_equal": True,
+        "spec": {"drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted},
+    }
+    return {"ok": True, "tokens": tokens or [[1]], "load_round": round_, "load": load}
 
-    row = summarize_load.build_row("1b", "draft", run(1000.0, [[1]]), run(970.0, [[1]]))
+
+def _load_cells(row: dict) -> dict[str, str]:
+    return dict(zip(summarize_load.COLUMNS, summarize_load.row_cells(row), strict=True))
+
+
+def test_load_row_fails_outside_the_ratio_or_on_token_differences():
+    row = summarize_load.build_row("1b", "draft", [load_run([1000.0])], [load_run([970.0])])
     assert row["status"] == "FAIL (on/off 0.970)"
-    row = summarize_load.build_row("1b", "draft", run(1000.0, [[1]]), run(1000.0, [[2]]))
-    assert row["status"] == "FAIL (tokens differ)"
-    row = summarize_load.build_row("1b", "draft", None, run(1000.0, [[2]]))
+    row = summarize_load.build_row(
+        "1b", "draft", [load_run([1000.0])], [load_run([1000.0], tokens=[[2]])]
+    )
+    assert row["status"] == "FAIL (tokens differ: on r1 from off r1)"
+    row = summarize_load.build_row("1b", "draft", [], [load_run([1000.0], tokens=[[2]])])
     assert row["status"] == "FAIL (tokens missing; no tokens/s)"
 
 
-def test_load_row_reports_engine_step_time_off_and_on():
-    def run(step_ms: float) -> dict:
-        load = {"tokens_per_s_best": 1000.0, "step_ms_median": step_ms}
-        return {"ok": True, "tokens": [[1]], "load": load}
+def test_load_row_pools_the_rounds_and_checks_the_ratio_of_the_medians():
+    # Round 1's off run had one fast repeat: on/off of the best repeats is 0.9,
+    # of the medians over both rounds 98 / 97.
+    offs = [
+        load_run([98.0, 95.0], 2, steps=[3.0, 3.2], spec=(10, 30, 18)),
+        load_run([110.0, 96.0], 1, steps=[2.0, 3.1], spec=(10, 30, 12)),
+    ]
+    ons = [
+        load_run([97.0, 99.0], 1, steps=[3.0, 2.9], spec=(10, 30, 15)),
+        load_run([96.0, 99.0], 2, steps=[3.1, 2.9], spec=(10, 30, 15)),
+    ]
+    row = summarize_load.build_row("1b", "draft", offs, ons)
+    assert row["tokens_per_s_off"] == {"median": 97.0, "best": 110.0, "lowest": 95.0}
+    assert row["tokens_per_s_on"] == {"median": 98.0, "best": 99.0, "lowest": 96.0}
+    assert row["ratio_on_off_median"] == round(98 / 97, 4)
+    assert row["checks"] == {"tokens": True, "ratio": True} and row["status"] == "PASS"
+    assert [(r["round"], r["ratio_on_off"]) for r in row["rounds"]] == [
+        (1, round(98 / 103, 4)),
+        (2, round(97.5 / 96.5, 4)),
+    ]
+    assert (row["runs_off"], row["runs_on"]) == (2, 2)
+    assert (row["step_ms_off"], row["step_ms_on"]) == (3.05, 2.95)
+    assert row["step_ratio_on_off"] == round(2.95 / 3.05, 4)
+    assert (row["acceptance_off"], row["mean_acceptance_length_off"]) == (0.5, 2.5)
+    assert [r["round"] for r in row["repeats_off"]] == [1, 1, 2, 2]
+    cells = _load_cells(row)
+    assert cells["runs off / on"] == "2 / 2"
+    assert cells["tokens/s off: median (lowest - best)"] == "97 (95 - 110)"
+    assert cells["on / off (medians)"] == "1.010"
+    assert cells["on / off per round"] == "r1 0.952, r2 1.010"
+    assert cells["engine step ms off / on (median)"] == "3.05 / 2.95"
+    assert cells["step on / off"] == "0.967"
+    # Drift that favours the run that comes later cancels over an ABBA pair.
+    drift = summarize_load.build_row(
+        "1b",
+        "draft",
+        [load_run([100.0], 1), load_run([103.0], 2)],
+        [load_run([101.0], 1), load_run([102.0], 2)],
+    )
+    assert drift["ratio_on_off_median"] == 1.0
+    assert [r["ratio_on_off"] for r in drift["rounds"]] == [1.01, round(102 / 103, 4)]
 
-    row = summarize_load.build_row("tiny-tp2", "draft", run(2.0), run(1.8))
-    assert (row["step_ms_off"], row["step_ms_on"], row["step_ratio_on_off"]) == (2.0, 1.8, 0.9)
-    cells = dict(zip(summarize_load.COLUMNS, summarize_load.row_cells(row), strict=True))
-    assert cells["engine step ms off / on (median)"] == "2.00 / 1.80"
-    assert cells["step on / off"] == "0.900"
+
+def test_load_row_fails_when_any_round_differs_in_its_tokens():
+    offs = [load_run([100.0], 1), load_run([100.0], 2)]
+    ons = [load_run([100.0], 1), load_run([100.0], 2, tokens=[[1, 9]])]
+    row = summarize_load.build_row("1b", "draft", offs, ons)
+    assert row["tokens_equal_on_off"] is False and row["tokens_differing"] == ["on r2"]
+    assert row["status"] == "FAIL (tokens differ: on r2 from off r1)"
+    offs[1]["tokens"] = [[1, 9]]  # off and on of round 2 agree, round 1 does not
+    row = summarize_load.build_row("1b", "draft", offs, ons)
+    assert row["tokens_differing"] == ["off r2", "on r2"] and not row["pass"]
+    assert _load_cells(row)["tokens equal (all runs)"] == "False"
+
+
+def test_load_rows_from_the_rounds_that_ran(tmp_path, capsys):
+    """Round 2 ran on, then its off run was skipped: the row pools what ran and
+    says so; the invocation fails, as for any run that did not run."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, run in (
+        ("1b-draft-off-load", load_run([100.0, 98.0], 1)),
+        ("1b-draft-on-load", load_run([99.0, 99.0], 1)),
+        ("1b-draft-on-load-r2", load_run([97.0, 101.0], 2)),
+    ):
+        run |= {"size": "1b", "case": "draft", "workload": "load"}
+        run["plugin"] = {"switch": name.split("-")[2]}
+        (out / f"{name}.json").write_text(json.dumps(run))
+    (out / "skipped.txt").write_text("1b-draft-off-load-r2\n")
+    res = tmp_path / "res"
+    assert summarize.main([str(out), "--results", str(res)]) == 1
+    (row,) = json.loads((res / "vllm_load.json").read_text())["rows"]
+    assert (row["runs_off"], row["runs_on"], row["ratio_on_off_median"]) == (1, 2, 1.0)
+    assert row["status"] == "PASS"
+    cells = _load_cells(row)
+    assert (cells["runs off / on"], cells["on / off per round"]) == ("1 / 2", "r1 1.000, r2 -")
+    assert "| 1b | draft | 2 | 3 | 1 / 2 | 99 (98 - 100) |" in (res / "vllm_load.md").read_text()
+    printed = capsys.readouterr().out
+    assert "[1b/draft/on/load/round 2] ok" in printed
+    assert "SUMMARY: all runs ok=False (3/3), rows PASS=1/1" in printed
+    # A run that stopped before its repeats adds nothing either.
+    failed = {"ok": False, "stage": "init", "load_round": 2}
+    row = summarize_load.build_row("1b", "draft", [load_run([100.0]), failed], [load_run([100.0])])
+    assert (row["runs_off"], row["status"]) == (1, "PASS")
+
+
+def test_load_rows_of_schema_1_carry_over():
+    """The committed rows (one run of each switch, checked on the best repeats)
+    render with "-" where they lack a figure and are kept by a later write."""
+    committed = os.path.join(os.path.dirname(SCRIPTS), "bench", "results", "vllm_load.json")
+    with open(committed) as f:
+        old = {(r["size"], r["case"]): r for r in json.load(f)["rows"]}
+    cells = _load_cells(old[("1b", "draft")])
+    assert cells["runs off / on"] == "1 / 1"
+    assert cells["tokens/s off: median (lowest - best)"] == "4,451 (best 4,761)"
+    assert (cells["on / off (medians)"], cells["on / off per round"]) == ("-", "-")
+    assert cells["check"] == "FAIL (on/off 0.920)"
+
+
+def test_load_write_carries_rows_of_either_schema(tmp_path):
+    committed = os.path.join(os.path.dirname(SCRIPTS), "bench", "results", "vllm_load.json")
+    new = summarize_load.build_row("1b", "draft", [load_run([100.0])], [load_run([100.0])])
+    first, _ = summarize_load.write([new], str(tmp_path / "a"), committed)
+    doc = json.loads(Path(first).read_text())
+    assert doc["schema"] == summarize_load.SCHEMA
+    assert [(r["size"], "ratio_on_off_median" in r) for r in doc["rows"]] == [
+        ("1b", True),
+        ("tiny-tp2", False),
+    ]
+    md = (tmp_path / "a" / "vllm_load.md").read_text()
+    assert "| tiny-tp2 | draft | 48 | 1,985 | 1 / 1 | 626 (best 642) |" in md
+    assert "Measured before rounds (tiny-tp2/draft)" in md
+    other = summarize_load.build_row("tiny", "draft", [load_run([10.0])], [load_run([10.0])])
+    second, _ = summarize_load.write([other], str(tmp_path / "b"), first)
+    rows = json.loads(Path(second).read_text())["rows"]
+    assert [r["size"] for r in rows] == ["tiny", "1b", "tiny-tp2"]
 
 
 # ---- the device script's scheduling, with stand-ins for nvidia-smi and python3 ----

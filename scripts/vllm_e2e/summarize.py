@@ -11,13 +11,14 @@ named in OUTDIR/skipped.txt (the device script's runs that did not fit its time
 budget) count as not run. Writes DIR/vllm_graph_memory.json and .md (DIR
 defaults to OUTDIR/bench/results): the off/on/noest table of the smoke and peak
 runs, then the tight-memory rows (runs with a ``tight`` plan,
-``summarize_tight.py``); the load runs (``workload`` load) go to
-DIR/vllm_load.json and .md (``summarize_load.py``). With --previous (an
-earlier vllm_graph_memory.json; its directory's vllm_load.json too), the rows
-of (size group, case) pairs that this OUTDIR has no run for are carried over,
-each with the date it was measured, so that several invocations end in one
-table. Exits 0 only if every run ran (a tight run off or noest may run out of
-memory: that is what it measures) and every row passed.
+``summarize_tight.py``); the load runs (``workload`` load; every round of a
+case in one row) go to DIR/vllm_load.json and .md (``summarize_load.py``).
+With --previous (an earlier vllm_graph_memory.json; its directory's
+vllm_load.json too), the rows of (size group, case) pairs that this OUTDIR has
+no run for are carried over, each with the date it was measured, so that
+several invocations end in one table. Exits 0 only if every run ran (a tight
+run off or noest may run out of memory: that is what it measures) and every row
+passed.
 
 Size groups: the size, ``-small`` for the small capture-size set, ``-tpN`` at
 tensor parallelism N (e.g. ``1b``, ``1b-small``, ``tiny-tp2``).
@@ -38,7 +39,7 @@ import json
 import os
 import re
 import sys
-from typing import Any
+from typing import Any, TypedDict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
@@ -74,6 +75,16 @@ PLUGIN_LOG_SHOWN = 8
 
 Run = dict[str, Any]
 Key = tuple[str, str, str]
+
+
+class Kinds(TypedDict):
+    """The runs of each table (:func:`kind_of`), keyed (size group, case,
+    plugin switch); a load case runs each switch once per round, so its key
+    holds a list, in round order."""
+
+    memory: dict[Key, Run]
+    tight: dict[Key, Run]
+    load: dict[Key, list[Run]]
 
 
 def mib(x: float | None, digits: int = 1) -> str:
@@ -117,10 +128,9 @@ def kind_of(r: Run) -> str:
     return "tight" if r.get("tight") else "memory"
 
 
-def load_runs(outdir: str) -> dict[str, dict[Key, Run]]:
-    """Every run result in ``outdir``, by kind (:func:`kind_of`), keyed (size
-    group, case, plugin switch)."""
-    runs: dict[str, dict[Key, Run]] = {"memory": {}, "tight": {}, "load": {}}
+def load_runs(outdir: str) -> Kinds:
+    """Every run result in ``outdir``, by kind."""
+    runs = Kinds(memory={}, tight={}, load={})
     for path in sorted(glob.glob(os.path.join(outdir, "*.json"))):
         try:
             with open(path) as f:
@@ -138,11 +148,33 @@ def load_runs(outdir: str) -> dict[str, dict[Key, Run]]:
         r["_log"] = path[: -len(".json")] + ".log"
         when = datetime.datetime.fromtimestamp(os.path.getmtime(path), datetime.UTC)
         r["_measured_utc"] = when.strftime("%Y-%m-%d %H:%M")
+        kind = kind_of(r)
         group = group_of(r.get("size", "tiny"), r.get("tp"), r.get("capture"), r.get("workload"))
-        if kind_of(r) != "memory":  # their own tables: the workload is implied
+        if kind != "memory":  # their own tables: the workload is implied
             group = group_of(r.get("size", "tiny"), r.get("tp"), r.get("capture"))
-        runs[kind_of(r)][(group, r["case"], switch)] = r
+        key = (group, r["case"], switch)
+        if kind == "load":
+            runs["load"].setdefault(key, []).append(r)
+        else:
+            runs[kind][key] = r
+    for rounds in runs["load"].values():
+        rounds.sort(key=summarize_load.round_of)
     return runs
+
+
+def key_order(key: Key) -> tuple:
+    return (group_order(key[0]), CASES.index(key[1]), key[2])
+
+
+def every_run(kinds: Kinds) -> list[tuple[str, Key, Run]]:
+    """(kind, key, run) of every run: the memory, tight and load runs, each by
+    key, a load key's runs in round order."""
+    singles = (("memory", kinds["memory"]), ("tight", kinds["tight"]))
+    out = [
+        (kind, key, these[key]) for kind, these in singles for key in sorted(these, key=key_order)
+    ]
+    load = kinds["load"]
+    return out + [("load", key, r) for key in sorted(load, key=key_order) for r in load[key]]
 
 
 def mem_of(r: Run | None, key: str) -> float | None:
@@ -493,7 +525,7 @@ def print_ranks(r: Run) -> None:
             print(f"      {PLUGIN_LOG_PREFIX} {line[:200]}")
 
 
-def print_run(key: Key, r: Run) -> None:
+def print_run(key: tuple[str, ...], r: Run) -> None:
     tag = "/".join(key)
     if not r.get("ok"):
         err = (r.get("error") or "")[:400]
@@ -615,10 +647,10 @@ def memory_rows(runs: dict[Key, Run]) -> list[dict]:
     return rows
 
 
-def load_rows(runs: dict[Key, Run]) -> list[dict]:
+def load_rows(runs: dict[Key, list[Run]]) -> list[dict]:
     pairs = sorted({(g, c) for g, c, _ in runs}, key=lambda p: (group_order(p[0]), p[1]))
     return [
-        summarize_load.build_row(g, c, runs.get((g, c, "off")), runs.get((g, c, "on")))
+        summarize_load.build_row(g, c, runs.get((g, c, "off"), []), runs.get((g, c, "on"), []))
         for g, c in pairs
     ]
 
@@ -642,11 +674,12 @@ def row_order(r: dict) -> tuple:
     return (group_order(r["size"]), CASES.index(r["case"]) if r["case"] in CASES else 99)
 
 
-def runs_ok(kinds: dict[str, dict[Key, Run]], skipped: list[str]) -> bool:
+def runs_ok(kinds: Kinds, skipped: list[str]) -> bool:
     """Every run ran, except that a tight run with the plugin off or without an
     estimate may stop: running out of memory is what it measures."""
-    needed = [r for kind in ("memory", "load") for r in kinds[kind].values()]
-    needed += [r for (_, _, switch), r in kinds["tight"].items() if switch == "on"]
+    needed = [
+        r for kind, (_, _, switch), r in every_run(kinds) if kind != "tight" or switch == "on"
+    ]
     return bool(needed) and not skipped and all(r.get("ok") for r in needed)
 
 
@@ -659,9 +692,7 @@ def print_rows(label: str, rows: list[dict], module: Any, first: int) -> None:
             print(f"    {col}: {cells[col]}")
 
 
-def graph_memory_doc(
-    kinds: dict[str, dict[Key, Run]], outdir: str, skipped: list[str]
-) -> dict[str, Any]:
+def graph_memory_doc(kinds: Kinds, outdir: str, skipped: list[str]) -> dict[str, Any]:
     runs = kinds["memory"]
     return {
         "schema": SCHEMA,
@@ -676,8 +707,8 @@ def graph_memory_doc(
         "tight_rows": summarize_tight.build_rows(kinds["tight"]),
         "runs": [
             compact_run(k, r)
-            for kind in ("memory", "tight")
-            for k, r in sorted(kinds[kind].items())
+            for these in (kinds["memory"], kinds["tight"])
+            for k, r in sorted(these.items())
         ],
         "skipped": skipped,
     }
@@ -718,9 +749,11 @@ def main(argv: list[str] | None = None) -> int:
     print("=" * 72)
     if not any(kinds.values()):
         print(f"no run results in {outdir}")
-    for kind, these in kinds.items():
-        for key in sorted(these, key=lambda k: (group_order(k[0]), CASES.index(k[1]), k[2])):
-            print_run(key if kind == "memory" else (*key, kind), these[key])
+    for kind, key, r in every_run(kinds):
+        if kind == "load":
+            print_run((*key, kind, f"round {summarize_load.round_of(r)}"), r)
+        else:
+            print_run(key if kind == "memory" else (*key, kind), r)
     spec_eq = compare_tokens(kinds["memory"])
 
     doc = graph_memory_doc(kinds, outdir, skipped)
@@ -753,7 +786,7 @@ def main(argv: list[str] | None = None) -> int:
     if skipped:
         print(f"skipped for lack of time: {' '.join(skipped)}")
     ran = runs_ok(kinds, skipped)
-    all_runs = [r for these in kinds.values() for r in these.values()]
+    all_runs = [r for _, _, r in every_run(kinds)]
     mine = rows + tight_rows + loads  # this invocation's rows decide
     passed = sum(r["pass"] for r in mine)
     print(

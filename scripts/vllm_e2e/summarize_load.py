@@ -2,12 +2,19 @@
 """The load test's summary: ``bench/results/vllm_load.{json,md}``.
 
 One row per (size group, case) from the ``--workload load`` runs, plugin off
-and on: whether the greedy tokens are equal, generation tokens/s of each (best
-and median of the timed repeats; only ``generate()`` is timed, after a warm-up),
-their ratio, the mean engine-step time (median over the repeats: a repeat's
-wall time over the engine steps vLLM counted) and its ratio, and the
-speculative acceptance rate over the timed repeats. A row
-passes when the tokens are equal and on/off tokens/s is within the target.
+and on, over every round the device script ran (``LOAD_ROUNDS``, the order
+reversed every other round): the timed repeats of all runs of a switch are
+pooled. The row has generation tokens/s of each switch (median, best and
+lowest of the pooled repeats; only ``generate()`` is timed, after a warm-up),
+the ratio of the medians on/off, the same ratio per round, the number of runs
+of each switch, the mean engine-step time (median over the pooled repeats: a
+repeat's wall time over the engine steps vLLM counted) and its ratio, and the
+speculative acceptance over the timed repeats of all runs. A row passes when
+every run's greedy tokens, off and on, are the same and the ratio of the
+medians is within the target.
+
+Rows of schema 1 (one off and one on run, checked on the best repeat) are
+still read and carried over; the cells they lack say "-".
 """
 
 from __future__ import annotations
@@ -15,73 +22,174 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import statistics
 from typing import Any
 
 RESULTS_NAME = "vllm_load"
-SCHEMA = 1
+SCHEMA = 2
+READABLE_SCHEMAS = (1, 2)
 RATIO_TOLERANCE = 0.02
 
-__all__ = ["COLUMNS", "build_row", "markdown", "row_cells", "write"]
+__all__ = ["COLUMNS", "build_row", "markdown", "round_of", "row_cells", "write"]
 
 COLUMNS = (
     "size",
     "case",
     "requests",
     "tokens generated per repeat",
-    "tokens/s off (best / median)",
-    "tokens/s on (best / median)",
-    "on / off (best)",
+    "runs off / on",
+    "tokens/s off: median (lowest - best)",
+    "tokens/s on: median (lowest - best)",
+    "on / off (medians)",
+    "on / off per round",
     "engine step ms off / on (median)",
     "step on / off",
     "acceptance off / on",
     "mean acceptance length off / on",
-    "tokens on = off",
+    "tokens equal (all runs)",
     "repeats equal off / on",
     "GPU off / on",
     "check",
 )
 
-
-def _load(run: dict[str, Any] | None) -> dict[str, Any]:
-    return (run or {}).get("load") or {}
+Run = dict[str, Any]
 
 
-def build_row(group: str, case: str, off: dict | None, on: dict | None) -> dict[str, Any]:
-    lo, ln = _load(off), _load(on)
-    best_off, best_on = lo.get("tokens_per_s_best"), ln.get("tokens_per_s_best")
-    ratio = round(best_on / best_off, 4) if best_off and best_on else None
-    step_off, step_on = lo.get("step_ms_median"), ln.get("step_ms_median")
-    step_ratio = round(step_on / step_off, 4) if step_off and step_on else None
-    tok_off = off.get("tokens") if off and off.get("ok") else None
-    tok_on = on.get("tokens") if on and on.get("ok") else None
-    equal = tok_on == tok_off if tok_on is not None and tok_off is not None else None
+def round_of(run: Run) -> int:
+    """The run's round; runs from before rounds existed were the only one."""
+    return int(run.get("load_round", 1))
+
+
+def _ran(runs: list[Run]) -> list[Run]:
+    return sorted((r for r in runs if r.get("ok")), key=round_of)
+
+
+def _repeats(runs: list[Run]) -> list[dict[str, Any]]:
+    """Every timed repeat of ``runs``, each with its run's round."""
+    return [
+        rep | {"round": round_of(r)}
+        for r in runs
+        for rep in (r.get("load") or {}).get("repeats") or []
+    ]
+
+
+def _known(repeats: list[dict[str, Any]], key: str) -> list[float]:
+    return [r[key] for r in repeats if r.get(key) is not None]
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _ratio(on: float | None, off: float | None) -> float | None:
+    return round(on / off, 4) if on and off else None
+
+
+def _rates(repeats: list[dict[str, Any]]) -> dict[str, float | None]:
+    rates = _known(repeats, "tokens_per_s")
+    return {
+        "median": _median(rates),
+        "best": max(rates, default=None),
+        "lowest": min(rates, default=None),
+    }
+
+
+def _rounds(offs: list[Run], ons: list[Run]) -> list[dict[str, Any]]:
+    """Per round: the median tokens/s of its off and on runs, and their ratio;
+    the order of off and on alternates, so drift shows as ratios that alternate."""
+    out = []
+    for n in sorted({round_of(r) for r in offs + ons}):
+        off, on = (
+            _median(_known(_repeats([r for r in runs if round_of(r) == n]), "tokens_per_s"))
+            for runs in (offs, ons)
+        )
+        out.append(
+            {
+                "round": n,
+                "tokens_per_s_off": off,
+                "tokens_per_s_on": on,
+                "ratio_on_off": _ratio(on, off),
+            }
+        )
+    return out
+
+
+def _spec(runs: list[Run]) -> tuple[float | None, float | None]:
+    """Acceptance rate and mean acceptance length over the timed repeats of
+    every run: the counts added up, as ``workloads.spec_summary`` rounds them."""
+    specs = [(r.get("load") or {}).get("spec") or {} for r in runs]
+    drafts, draft_tokens, accepted = (
+        sum(s.get(key) or 0 for s in specs) for key in ("drafts", "draft_tokens", "accepted_tokens")
+    )
+    rate = round(accepted / draft_tokens, 4) if draft_tokens else None
+    return rate, round(1 + accepted / drafts, 3) if drafts else None
+
+
+def _lanes(runs: list[Run]) -> str | None:
+    lanes = sorted({str(v) for r in runs if (v := (r.get("gpu") or {}).get("visible_devices"))})
+    return " ".join(lanes) or None
+
+
+def _all(runs: list[Run], key: str) -> bool | None:
+    return all((r.get("load") or {}).get(key) for r in runs) if runs else None
+
+
+def _tokens_differing(offs: list[Run], ons: list[Run]) -> list[str] | None:
+    """The runs (``on r2``, ...) whose greedy tokens differ from the first off
+    run's: all runs are equal when none does. None without a run of each switch."""
+    if not offs or not ons:
+        return None
+    first = offs[0].get("tokens")
+    return [
+        f"{switch} r{round_of(r)}"
+        for switch, runs in (("off", offs), ("on", ons))
+        for r in runs
+        if r.get("tokens") != first
+    ]
+
+
+def build_row(group: str, case: str, offs: list[Run], ons: list[Run]) -> dict[str, Any]:
+    """The row of one (size group, case) from its runs, off and on, of every
+    round; a run that did not finish (or was skipped) adds nothing."""
+    offs, ons = _ran(offs), _ran(ons)
+    reps_off, reps_on = _repeats(offs), _repeats(ons)
+    rates_off, rates_on = _rates(reps_off), _rates(reps_on)
+    ratio = _ratio(rates_on["median"], rates_off["median"])
+    step_off, step_on = _median(_known(reps_off, "step_ms")), _median(_known(reps_on, "step_ms"))
+    differing = _tokens_differing(offs, ons)
+    equal = None if differing is None else not differing
+    (acceptance_off, length_off), (acceptance_on, length_on) = _spec(offs), _spec(ons)
+    first_load = (ons or offs or [{}])[0].get("load") or {}
     row: dict[str, Any] = {
         "size": group,
         "case": case,
-        "ran_off": bool(off and off.get("ok")),
-        "ran_on": bool(on and on.get("ok")),
-        "num_requests": ln.get("num_requests", lo.get("num_requests")),
-        "generated_tokens": (ln.get("repeats") or lo.get("repeats") or [{}])[0].get(
-            "generated_tokens"
-        ),
-        "tokens_per_s_off": {"best": best_off, "median": lo.get("tokens_per_s_median")},
-        "tokens_per_s_on": {"best": best_on, "median": ln.get("tokens_per_s_median")},
-        "ratio_on_off": ratio,
+        "runs_off": len(offs),
+        "runs_on": len(ons),
+        "num_requests": first_load.get("num_requests"),
+        "generated_tokens": ((reps_on or reps_off or [{}])[0]).get("generated_tokens"),
+        "tokens_per_s_off": rates_off,
+        "tokens_per_s_on": rates_on,
+        "ratio_on_off_median": ratio,
+        "rounds": _rounds(offs, ons),
         "step_ms_off": step_off,
         "step_ms_on": step_on,
-        "step_ratio_on_off": step_ratio,
-        "acceptance_off": (lo.get("spec") or {}).get("acceptance_rate"),
-        "acceptance_on": (ln.get("spec") or {}).get("acceptance_rate"),
-        "mean_acceptance_length_off": (lo.get("spec") or {}).get("mean_acceptance_length"),
-        "mean_acceptance_length_on": (ln.get("spec") or {}).get("mean_acceptance_length"),
+        "step_ratio_on_off": _ratio(step_on, step_off),
+        "acceptance_off": acceptance_off,
+        "acceptance_on": acceptance_on,
+        "mean_acceptance_length_off": length_off,
+        "mean_acceptance_length_on": length_on,
+        # Every run's tokens, off and on, of every round, against each other.
         "tokens_equal_on_off": equal,
-        "repeats_equal_off": lo.get("repeats_equal"),
-        "repeats_equal_on": ln.get("repeats_equal"),
-        "gpu_off": ((off or {}).get("gpu") or {}).get("visible_devices"),
-        "gpu_on": ((on or {}).get("gpu") or {}).get("visible_devices"),
-        "repeats_off": lo.get("repeats"),
-        "repeats_on": ln.get("repeats"),
-        "measured_utc": (on or off or {}).get("_measured_utc"),
+        "tokens_differing": differing,
+        "repeats_equal_off": _all(offs, "repeats_equal"),
+        "repeats_equal_on": _all(ons, "repeats_equal"),
+        "gpu_off": _lanes(offs),
+        "gpu_on": _lanes(ons),
+        "repeats_off": reps_off,
+        "repeats_on": reps_on,
+        "measured_utc": max(
+            (r["_measured_utc"] for r in offs + ons if r.get("_measured_utc")), default=None
+        ),
     }
     checks = {
         "tokens": equal,
@@ -92,8 +200,8 @@ def build_row(group: str, case: str, off: dict | None, on: dict | None) -> dict[
     reasons = []
     if equal is None:
         reasons.append("tokens missing")
-    elif not equal:
-        reasons.append("tokens differ")
+    elif differing:
+        reasons.append(f"tokens differ: {', '.join(differing)} from off r{round_of(offs[0])}")
     if ratio is None:
         reasons.append("no tokens/s")
     elif not checks["ratio"]:
@@ -106,18 +214,52 @@ def _pair(a: Any, b: Any, fmt: Any = str) -> str:
     return f"{'-' if a is None else fmt(a)} / {'-' if b is None else fmt(b)}"
 
 
+def _rate(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def _ratio_cell(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _rates_cell(rates: dict[str, float | None]) -> str:
+    """``median (lowest - best)``; rows of schema 1 kept no lowest repeat."""
+    median, lowest, best = rates.get("median"), rates.get("lowest"), rates.get("best")
+    cell = "-" if median is None else _rate(median)
+    if best is not None:
+        cell += f" ({'best ' if lowest is None else _rate(lowest) + ' - '}{_rate(best)})"
+    return cell
+
+
+def _rounds_cell(rounds: list[dict[str, Any]] | None) -> str:
+    if not rounds:
+        return "-"
+    return ", ".join(f"r{r['round']} {_ratio_cell(r['ratio_on_off'])}" for r in rounds)
+
+
+def _schema1(row: dict[str, Any]) -> bool:
+    """A row of schema 1: one run of each switch (if it ran), the best repeats compared."""
+    return "ratio_on_off_median" not in row
+
+
 def row_cells(row: dict[str, Any]) -> list[str]:
-    off, on = row["tokens_per_s_off"], row["tokens_per_s_on"]
+    runs = (
+        (int(row["ran_off"]), int(row["ran_on"]))
+        if _schema1(row)
+        else (row["runs_off"], row["runs_on"])
+    )
     return [
         row["size"],
         row["case"],
         "-" if row["num_requests"] is None else str(row["num_requests"]),
         "-" if row["generated_tokens"] is None else f"{row['generated_tokens']:,}",
-        _pair(off["best"], off["median"], lambda x: f"{x:,.0f}"),
-        _pair(on["best"], on["median"], lambda x: f"{x:,.0f}"),
-        "-" if row["ratio_on_off"] is None else f"{row['ratio_on_off']:.3f}",
+        _pair(*runs),
+        _rates_cell(row["tokens_per_s_off"]),
+        _rates_cell(row["tokens_per_s_on"]),
+        _ratio_cell(row.get("ratio_on_off_median")),
+        _rounds_cell(row.get("rounds")),
         _pair(row.get("step_ms_off"), row.get("step_ms_on"), lambda x: f"{x:.2f}"),
-        "-" if row.get("step_ratio_on_off") is None else f"{row['step_ratio_on_off']:.3f}",
+        _ratio_cell(row.get("step_ratio_on_off")),
         _pair(row["acceptance_off"], row["acceptance_on"], lambda x: f"{x:.3f}"),
         _pair(row["mean_acceptance_length_off"], row["mean_acceptance_length_on"]),
         "-" if row["tokens_equal_on_off"] is None else str(row["tokens_equal_on_off"]),
@@ -137,7 +279,9 @@ def markdown(doc: dict[str, Any]) -> str:
         "at once (seeded prompt lengths 16 to `max_model_len / 2`, outputs 16 to "
         "`max_model_len / 4`) after a warm-up generate; only `generate()` is timed, "
         "repeated; acceptance is vLLM's spec-decode counters over the timed repeats. "
-        "Off and on of one case run one after the other on the same GPU.",
+        "Off and on of one case run one after the other on the same GPU, in rounds "
+        "whose order alternates (off, on; on, off; ...); the timed repeats of every "
+        "run of a switch are pooled. Per round: on/off of that round's medians.",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "|".join("---" if i < 2 else "---:" for i in range(len(COLUMNS))) + "|",
@@ -145,12 +289,20 @@ def markdown(doc: dict[str, Any]) -> str:
     out += ["| " + " | ".join(row_cells(row)) + " |" for row in doc["rows"]]
     out += [
         "",
-        f"Check: greedy tokens on equal to off; on/off tokens/s (best repeat) within "
-        f"{RATIO_TOLERANCE:.0%}. Measured: "
+        "Check: every run's greedy tokens, off and on, in every round, are the same; "
+        f"on/off of the median tokens/s over the pooled repeats is within {RATIO_TOLERANCE:.0%}. "
+        "Measured: "
         + ", ".join(f"{r['size']}/{r['case']} {r.get('measured_utc')} UTC" for r in doc["rows"])
         + ".",
         "",
     ]
+    old = [f"{r['size']}/{r['case']}" for r in doc["rows"] if _schema1(r)]
+    if old:
+        out += [
+            f"Measured before rounds ({', '.join(old)}): one run of each switch, "
+            "checked on the ratio of the best repeats.",
+            "",
+        ]
     return "\n".join(out)
 
 
@@ -163,7 +315,7 @@ def write(
     if previous and os.path.exists(previous):
         with open(previous) as f:
             prev = json.load(f)
-        if prev.get("schema") == SCHEMA:
+        if prev.get("schema") in READABLE_SCHEMAS:
             here = {(r["size"], r["case"]) for r in rows}
             rows += [r for r in prev.get("rows", []) if (r["size"], r["case"]) not in here]
     doc = {
