@@ -19,9 +19,9 @@
 # switch), each in its own process with its own time limit, one run per GPU at a
 # time and as many at once as there are GPUs, and prints a summary last
 # (scripts/vllm_e2e/summarize.py). Logs and JSON files go to $OUT (or
-# /tmp/vllm-e2e-out): SIZE-CASE-PLUGIN[-small][-peak|-tight|-load][-tpN].json and
-# .log per run, and bench/results/vllm_graph_memory.{json,md} (vllm_load.* in
-# MODE=load).
+# /tmp/vllm-e2e-out): SIZE-CASE-PLUGIN[-small][-peak|-tight|-load[-rN]][-tpN].json
+# and .log per run (-rN: round N > 1 of MODE=load), and
+# bench/results/vllm_graph_memory.{json,md} (vllm_load.* in MODE=load).
 #
 # Env knobs:
 #   MODE=bench                     bench: every run once, smoke workload (6 prompts)
@@ -29,7 +29,8 @@
 #                                    then every PLUGIN switch at the utilization that
 #                                    scripts/vllm_e2e/memory_budget.py computes from them
 #                                  load: 256 mixed requests, timed; off and on of a case
-#                                    run one after the other on the same GPU
+#                                    run one after the other on the same GPU, in
+#                                    LOAD_ROUNDS rounds
 #                                  demo: python -m vllm_specgraph.demo.vllm_demo, then
 #                                    the lane self-check
 #   SIZES="tiny"                   tiny | 1b (default 1b in MODE=tight and MODE=load)
@@ -46,6 +47,10 @@
 #   TIGHT_MARGIN_MIB=              MODE=tight: margin below the free memory (default:
 #                                  computed from the calibration runs)
 #   LOAD_REQUESTS=256 LOAD_REPEATS=2   MODE=load: requests per generate, timed repeats
+#   LOAD_ROUNDS=2                  MODE=load: rounds of a case's switches on its GPU, the
+#                                  order reversed every other round (off on, on off,
+#                                  off on, ...), so that drift over the rounds weighs
+#                                  on both switches alike; the summary pools the rounds
 #   T_tiny=90 T_1b=150             wall limit of one run (seconds)
 #   T_FIRST_EXTRA=60               added to a run while no run of its size has ended
 #                                  well: Triton JIT, cold caches
@@ -93,6 +98,7 @@ GPUS="${GPUS:-0}"
 TIGHT_MARGIN_MIB="${TIGHT_MARGIN_MIB:-}"
 LOAD_REQUESTS="${LOAD_REQUESTS:-256}"
 LOAD_REPEATS="${LOAD_REPEATS:-2}"
+LOAD_ROUNDS="${LOAD_ROUNDS:-2}"
 T_tiny="${T_tiny:-90}"
 T_1b="${T_1b:-150}"
 T_FIRST_EXTRA="${T_FIRST_EXTRA:-60}"
@@ -118,6 +124,9 @@ for c in $CAPTURE; do
   case "$c" in default|small) ;; *) echo "unknown capture-size set '$c' (default, small)"; exit 2 ;; esac
 done
 case "$TP" in ''|*[!0-9]*|0) echo "TP must be a positive integer, got '$TP'"; exit 2 ;; esac
+case "$LOAD_ROUNDS" in
+  ''|*[!0-9]*|0) echo "LOAD_ROUNDS must be a positive integer, got '$LOAD_ROUNDS'"; exit 2 ;;
+esac
 TP_ARGS=()
 SUFFIX=""
 if [ "$TP" -gt 1 ]; then
@@ -208,10 +217,10 @@ plan_file() {  # size case capture
   echo "$OUTDIR/plan-$1-$2$small$SUFFIX.json"
 }
 
-# One run: "size:case:plugin:capture:workload:tight", on lane $1.
+# One run: "size:case:plugin:capture:workload:tight:round", on lane $1.
 run_one() {
-  local lane_index=$1 lane=${LANES[$1]} size case plugin capture workload tight
-  IFS=: read -r size case plugin capture workload tight <<< "$2"
+  local lane_index=$1 lane=${LANES[$1]} size case plugin capture workload tight round stale
+  IFS=: read -r size case plugin capture workload tight round <<< "$2"
   local name="$size-$case-$plugin" args=(--capture "$capture" --workload "$workload")
   [ "$capture" = small ] && name+="-small"
   if [ "$tight" = 1 ]; then
@@ -220,7 +229,18 @@ run_one() {
   elif [ "$workload" != smoke ]; then
     name+="-$workload"
   fi
-  [ "$workload" = load ] && args+=(--load-requests "$LOAD_REQUESTS" --load-repeats "$LOAD_REPEATS")
+  if [ "$workload" = load ]; then
+    args+=(--load-requests "$LOAD_REQUESTS" --load-repeats "$LOAD_REPEATS" --load-round "$round")
+    # The summary pools every round it finds, so the later rounds of an earlier
+    # invocation with more of them must not stay behind.
+    if [ "$round" = 1 ]; then
+      for stale in "$OUTDIR/$name"-r*; do
+        [[ ${stale#"$OUTDIR/$name"-r} =~ ^[0-9]+$SUFFIX\.(json|log)$ ]] && rm -f "$stale"
+      done
+    fi
+    # Round 1 keeps the name of the runs from before rounds existed.
+    [ "$round" -gt 1 ] && name+="-r$round"
+  fi
   name+="$SUFFIX"
   rm -f "$OUTDIR/$name.json" "$OUTDIR/$name.log"
   local tvar="T_$size" left limit
@@ -296,24 +316,28 @@ run_jobs() {
 }
 
 # Jobs of one phase: every (size, capture set, case); $1 is the workload, $2 the
-# plugin switches, $3 1 for the tight runs; with $4 = together, the switches of a
-# case form one job (they run on one GPU), else one job each.
+# plugin switches, $3 1 for the tight runs. With $4 = N rounds, the switches of a
+# case form one job (they run on one GPU), N times over, every other round in
+# reverse order (ABBA: off on, on off, ...); else each run is a job of its own.
 make_jobs() {
-  local size capture case plugin job
+  local size capture case plugin job round order reversed=""
+  for plugin in $2; do reversed="$plugin $reversed"; done
   JOBS=()
   for size in $SIZES; do
     for capture in $CAPTURE; do
       for case in $CASES; do
         [ "$3" = 1 ] && [ ! -e "$(plan_file "$size" "$case" "$capture")" ] && continue
+        if [ -z "${4:-}" ]; then
+          for plugin in $2; do JOBS+=("$size:$case:$plugin:$capture:$1:$3:1"); done
+          continue
+        fi
         job=""
-        for plugin in $2; do
-          if [ "${4:-}" = together ]; then
-            job+="$size:$case:$plugin:$capture:$1:$3 "
-          else
-            JOBS+=("$size:$case:$plugin:$capture:$1:$3")
-          fi
+        for round in $(seq 1 "$4"); do
+          order=$2
+          [ $(( round % 2 )) = 0 ] && order=$reversed
+          for plugin in $order; do job+="$size:$case:$plugin:$capture:$1:$3:$round "; done
         done
-        [ -n "$job" ] && JOBS+=("$job")
+        JOBS+=("$job")
       done
     done
   done
@@ -325,7 +349,7 @@ case "$MODE" in
     run_jobs
     ;;
   load)
-    make_jobs load "$PLUGIN" 0 together
+    make_jobs load "$PLUGIN" 0 "$LOAD_ROUNDS"
     run_jobs
     ;;
   tight)

@@ -10,6 +10,7 @@ inputs, not measurements.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import logging
 import math
@@ -1154,6 +1155,7 @@ import argparse, json, os, sys, time
 ap = argparse.ArgumentParser()
 for name in ("size", "case", "plugin", "capture", "workload", "tight-plan", "out", "tp"):
     ap.add_argument("--" + name)
+ap.add_argument("--load-round", type=int)
 args, _ = ap.parse_known_args()
 start = time.time()
 time.sleep(float(os.environ.get("FAKE_RUN_S", "0.5")))
@@ -1179,7 +1181,8 @@ result = {
 if plan:
     result["tight"] = plan
 if args.workload == "load":
-    result["load"] = {"tokens_per_s_best": 100.0, "repeats": [{"generated_tokens": 2}]}
+    result["load_round"] = args.load_round
+    result["load"] = {"repeats": [{"generated_tokens": 2, "tokens_per_s": 100.0}]}
 json.dump(result, open(args.out, "w"))
 """
 
@@ -1258,19 +1261,59 @@ def test_device_script_runs_one_run_per_gpu_at_a_time(device_script):
     assert "SUMMARY: all runs ok=True (6/6)" in done.stdout
 
 
+def _arg(run: dict, name: str) -> str:
+    return run["argv"][run["argv"].index(name) + 1]
+
+
 def test_device_script_runs_a_load_case_on_one_gpu(device_script):
     run, out = device_script
+    out.mkdir()
+    # A third round of an earlier invocation, and a round of one at TP=2.
+    stale = out / "tiny-draft-on-load-r3.json"
+    stale.write_text(json.dumps({"size": "tiny", "case": "draft", "workload": "load"}))
+    (out / "tiny-draft-on-load-r3.log").write_text("")
+    (out / "tiny-draft-on-load-r2-tp2.log").write_text("")
     done = run(MODE="load", SIZES="tiny", CASES="base draft", LOAD_REQUESTS="8")
+    assert not (out / "tiny-draft-on-load-r3.log").exists()
+    assert (out / "tiny-draft-on-load-r2-tp2.log").exists()
     runs = _runs(out)
     assert sorted(runs) == sorted(
-        f"tiny-{c}-{p}-load" for c in ("base", "draft") for p in ("off", "on")
-    )
+        f"tiny-{c}-{p}-load{r}"
+        for c in ("base", "draft")
+        for p in ("off", "on")
+        for r in ("", "-r2")
+    ), done.stdout + done.stderr
     for case in ("base", "draft"):
-        off, on = runs[f"tiny-{case}-off-load"], runs[f"tiny-{case}-on-load"]
-        assert off["lane"] == on["lane"] and off["end"] <= on["start"]
-        assert "--load-requests" in off["argv"] and "8" in off["argv"]
+        # ABBA: off, on in round 1, on, off in round 2, one after the other on one lane.
+        order = [
+            runs[f"tiny-{case}-{n}"] for n in ("off-load", "on-load", "on-load-r2", "off-load-r2")
+        ]
+        assert len({r["lane"] for r in order}) == 1
+        assert all(a["end"] <= b["start"] for a, b in itertools.pairwise(order))
+        assert [_arg(r, "--load-round") for r in order] == ["1", "1", "2", "2"]
+        assert [r["load_round"] for r in order] == [1, 1, 2, 2]
+        assert _arg(order[0], "--load-requests") == "8"
     assert runs["tiny-base-off-load"]["lane"] != runs["tiny-draft-off-load"]["lane"]
-    assert (out / "bench" / "results" / "vllm_load.md").exists(), done.stdout + done.stderr
+    loads = json.loads((out / "bench" / "results" / "vllm_load.json").read_text())["rows"]
+    assert [(r["case"], r["runs_off"], r["runs_on"]) for r in loads] == [
+        ("base", 2, 2),
+        ("draft", 2, 2),
+    ]
+    three = run(MODE="load", SIZES="tiny", CASES="draft", GPUS="0", LOAD_ROUNDS="3")
+    runs = _runs(out)
+    order = sorted(
+        (r for n, r in runs.items() if n.startswith("tiny-draft-")), key=lambda r: r["start"]
+    )
+    assert [(r["plugin"]["switch"], r["load_round"]) for r in order] == [
+        ("off", 1),
+        ("on", 1),
+        ("on", 2),
+        ("off", 2),
+        ("off", 3),
+        ("on", 3),
+    ], three.stdout + three.stderr
+    refused = run(MODE="load", LOAD_ROUNDS="0")
+    assert refused.returncode == 2 and "LOAD_ROUNDS must be a positive integer" in refused.stdout
 
 
 def test_device_script_tight_mode_plans_from_the_calibration(device_script):
@@ -1299,6 +1342,13 @@ def test_device_script_skips_runs_past_the_budget(device_script):
     assert sorted((out / "skipped.txt").read_text().split()) == ["tiny-base-off", "tiny-base-on"]
     assert not _runs(out)
     assert (out / "bench" / "results" / "vllm_graph_memory.json").exists(), done.stdout
+    run(MODE="load", SIZES="tiny", CASES="base", BUDGET="40")  # each round's runs, one by one
+    assert (out / "skipped.txt").read_text().split() == [
+        "tiny-base-off-load",
+        "tiny-base-on-load",
+        "tiny-base-on-load-r2",
+        "tiny-base-off-load-r2",
+    ]
 
 
 def test_device_script_packs_tensor_parallel_gpu_groups(device_script):

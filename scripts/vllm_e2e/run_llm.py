@@ -4,7 +4,7 @@ graphs, optional speculator, vllm-specgraph plugin on or off. One run per proces
 
     python run_llm.py --size tiny|1b --case base|draft|ngram|eagle \
         --plugin off|on|none|noest [--capture default|small] \
-        [--workload smoke|peak|load] [--tight-plan PLAN.json] \
+        [--workload smoke|peak|load [--load-round N]] [--tight-plan PLAN.json] \
         [--tp N [--custom-all-reduce]] --out result.json
 
 ``--plugin`` (set in the environment before vLLM is imported):
@@ -19,7 +19,9 @@ graphs, optional speculator, vllm-specgraph plugin on or off. One run per proces
 ``--capture``: ``default`` is the size's capture sizes (vLLM's default for the
 1B size, 1 to 32 for tiny); ``small`` is 1, 2, 4, 8, 16, 32 for every size.
 ``--workload`` (``workloads.py``): ``smoke`` (6 prompts), ``peak`` (one full
-step, measured) or ``load`` (a few hundred mixed requests, timed).
+step, measured) or ``load`` (a few hundred mixed requests, timed);
+``--load-round``: which of the device script's rounds of a load case this run
+is, recorded as ``load_round``.
 ``--tight-plan``: the plan ``memory_budget.py plan`` wrote; its
 ``gpu_memory_utilization`` replaces the size's, and the plan is recorded.
 
@@ -461,6 +463,7 @@ def main() -> int:
     ap.add_argument("--tight-plan", help="memory_budget.py's plan: its utilization is used")
     ap.add_argument("--load-requests", type=int, default=256)
     ap.add_argument("--load-repeats", type=int, default=2)
+    ap.add_argument("--load-round", type=int, default=1, help="the load case's round")
     ap.add_argument("--seed", type=int, default=0, help="seed of the load requests")
     ap.add_argument(
         "--tp",
@@ -509,6 +512,11 @@ def main() -> int:
     }
     if tight is not None:
         result["tight"] = tight
+    if args.workload == "load":
+        # In the result rather than read from the file name: the summary keys
+        # every run by its own fields, the names are only the device script's,
+        # and a run that fails early still says which round it was.
+        result["load_round"] = args.load_round
     if args.tp > 1:
         result["tp"] = args.tp
         result["workers_env"] = prepare_workers(args.out)
