@@ -1096,11 +1096,14 @@ def test_load_rows_from_the_rounds_that_ran(tmp_path, capsys):
     assert (row["runs_off"], row["status"]) == (1, "PASS")
 
 
+LOAD_SCHEMA_1 = os.path.join(os.path.dirname(__file__), "data", "vllm_load_schema1.json")
+"""A vllm_load.json as written before load rounds existed (two GPU runs, one per switch)."""
+
+
 def test_load_rows_of_schema_1_carry_over():
-    """The committed rows (one run of each switch, checked on the best repeats)
+    """Rows of schema 1 (one run of each switch, checked on the best repeats)
     render with "-" where they lack a figure and are kept by a later write."""
-    committed = os.path.join(os.path.dirname(SCRIPTS), "bench", "results", "vllm_load.json")
-    with open(committed) as f:
+    with open(LOAD_SCHEMA_1) as f:
         old = {(r["size"], r["case"]): r for r in json.load(f)["rows"]}
     cells = _load_cells(old[("1b", "draft")])
     assert cells["runs off / on"] == "1 / 1"
@@ -1110,9 +1113,8 @@ def test_load_rows_of_schema_1_carry_over():
 
 
 def test_load_write_carries_rows_of_either_schema(tmp_path):
-    committed = os.path.join(os.path.dirname(SCRIPTS), "bench", "results", "vllm_load.json")
     new = summarize_load.build_row("1b", "draft", [load_run([100.0])], [load_run([100.0])])
-    first, _ = summarize_load.write([new], str(tmp_path / "a"), committed)
+    first, _ = summarize_load.write([new], str(tmp_path / "a"), LOAD_SCHEMA_1)
     doc = json.loads(Path(first).read_text())
     assert doc["schema"] == summarize_load.SCHEMA
     assert [(r["size"], "ratio_on_off_median" in r) for r in doc["rows"]] == [
