@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from vllm_specgraph.lanes import current_owner
+from vllm_specgraph.patches.v1.worker.gpu.model_runner import CaptureFootprint
 
 pytestmark = pytest.mark.vllm
 
@@ -52,10 +53,21 @@ def vllm_env(install_patch, monkeypatch):
         events.append(("empty_cache",))
         state["free"] += state.pop("releasable", 0)
 
+    def memory_snapshot():
+        # The graphs' bytes in a graph pool's segment; the default pool's segments
+        # (weights, say) stay as they are; another GPU's segments do not count.
+        return [
+            {"device": 0, "segment_pool_id": (0, 0), "total_size": 300 * MIB},
+            {"device": 0, "segment_pool_id": (0, 99), "total_size": state["held"]},
+            {"device": 1, "segment_pool_id": (0, 99), "total_size": 64 * MIB},
+        ]
+
     for name, fn in {
         "synchronize": lambda: events.append(("sync",)),
         "empty_cache": empty_cache,
         "mem_get_info": lambda: (state["free"], 2000 * MIB),
+        "memory_snapshot": memory_snapshot,
+        "current_device": lambda: 0,
         "graph_pool_handle": graph_pool_handle,
         "is_current_stream_capturing": lambda: False,
         "current_blas_handle": lambda: events.append(("blas_handle",)),
@@ -386,6 +398,8 @@ def test_profile_first_pass_keeps_memory_measures_again_and_budgets_it(vllm_env)
     assert (report.one_time_bytes, report.retained_bytes) == (4 * MIB, 0)
     assert budget == 44 * MIB, "the KV cache is sized after the profile: budget what it kept"
     assert sum(1 for e in env.events if e[0] == "capture_model") == 2
+    footprint = runner.specgraph_profile.estimate_footprint
+    assert footprint == CaptureFootprint(40 * MIB, 0, 0), "the last pass's: graphs only"
 
 
 def test_profile_budget_holds_communicator_workspace_made_after_kv_sizing(
@@ -408,3 +422,16 @@ def test_profile_without_kept_memory_captures_once(vllm_env):
     env = vllm_env
     env.cudagraph_utils.profile_cudagraph_memory(_runner(env))
     assert sum(1 for e in env.events if e[0] == "capture_model") == 1
+
+
+def test_profile_says_which_bytes_of_its_pass_the_allocator_does_not_hold(vllm_env):
+    env = vllm_env
+    runner = _runner(env, one_time_bytes=MIB // 2)  # below the second-pass threshold
+    env.cudagraph_utils.profile_cudagraph_memory(runner)
+    footprint = runner.specgraph_profile.estimate_footprint
+    assert footprint == CaptureFootprint(40 * MIB, 0, MIB // 2)
+    assert runner.specgraph_profile.to_dict()["estimate_footprint"] == {
+        "graph_pool_bytes": 40 * MIB,
+        "default_pool_bytes": 0,
+        "outside_allocator_bytes": MIB // 2,
+    }

@@ -113,3 +113,53 @@ def test_install_model_runner_before_profile_patch_refused():
     with pytest.raises(RuntimeError, match="cudagraph_utils must be patched before"):
         runner_patch.install(patches, model_runner)
     assert patches.names == ()
+
+
+def test_production_capture_reports_where_its_bytes_went(monkeypatch, caplog):
+    """CUDA memory is faked (no GPU here): the capture puts 30 MiB in a graph pool,
+    keeps a 2 MiB default-pool segment and loads 6 MiB the allocator does not hold;
+    memory the process takes on another GPU meanwhile does not count."""
+    import torch
+    from vllm.compilation.counter import compilation_counter
+
+    from vllm_specgraph.patches.v1.worker.gpu import model_runner as patch
+    from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory
+
+    mib = 1 << 20
+    state = {"free": 1000 * mib, "graph": 0, "default": 300 * mib, "other_gpu": 64 * mib}
+    fakes = {
+        "synchronize": lambda *args: None,
+        "empty_cache": lambda: None,
+        "current_device": lambda: 0,
+        "mem_get_info": lambda *args: (state["free"], 2000 * mib),
+        "memory_snapshot": lambda: [
+            {"device": 0, "segment_pool_id": (0, 0), "total_size": state["default"]},
+            {"device": 0, "segment_pool_id": (0, 5), "total_size": state["graph"]},
+            {"device": 1, "segment_pool_id": (0, 5), "total_size": state["other_gpu"]},
+        ],
+    }
+    for name, fn in fakes.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+
+    class Runner:
+        def capture_model(self, *, profile_only=False):
+            state["graph"] += 30 * mib
+            state["default"] += 2 * mib
+            state["free"] -= 38 * mib
+            state["other_gpu"] += 8 * mib
+            compilation_counter.num_cudagraph_captured += 3
+            return 38 * mib
+
+    runner = Runner()
+    estimate = GraphMemoryReport((OwnerMemory("target", 3, 38 * mib, 0),), 0, 0, 0, 0, 1.0)
+    runner.specgraph_profile = patch.SpecgraphCapture(estimate=estimate)
+    capture_model = patch._wrap_capture_model(Runner.capture_model)
+    with caplog.at_level("INFO", logger="vllm.specgraph"):
+        assert capture_model(runner) == 38 * mib
+    outcome = runner.specgraph_profile
+    assert outcome.actual_footprint == patch.CaptureFootprint(30 * mib, 2 * mib, 6 * mib)
+    assert [(o.owner, o.driver_bytes) for o in outcome.actual] == [("target", 38 * mib)]
+    [line] = [r.message for r in caplog.records if "estimate vs actual" in r.message]
+    assert line.endswith(
+        "; production: graph pools 30.0, default pools 2.0, outside the allocator 6.0 MiB"
+    ), line

@@ -58,6 +58,8 @@ from vllm_specgraph.profile import (
 if TYPE_CHECKING:
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
+    from vllm_specgraph.patches.v1.worker.gpu.model_runner import CaptureFootprint
+
 __all__ = [
     "ONE_TIME_THRESHOLD_BYTES",
     "PROFILE_MODES",
@@ -88,10 +90,13 @@ def profile_mode() -> str:
     return mode
 
 
-def exact_cudagraph_memory(runner: GPUModelRunner) -> tuple[GraphMemoryReport, dict[str, float]]:
+def exact_cudagraph_memory(
+    runner: GPUModelRunner,
+) -> tuple[GraphMemoryReport, dict[str, float], CaptureFootprint | None]:
     """Capture every graph ``runner.capture_model()`` will capture, measure, give it all back.
 
-    Returns the report and the seconds each phase took. When the first pass
+    Returns the report, the seconds each phase took and where the last pass's
+    bytes went. When the first pass
     leaves memory taken (more than :data:`ONE_TIME_THRESHOLD_BYTES`), it met
     process state for the first time: kernel modules loaded on first launch,
     say, which production, after vLLM's warm-up, will not load again. That
@@ -125,7 +130,7 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> tuple[GraphMemoryReport, d
     torch.cuda.empty_cache()
     free_start = torch.cuda.mem_get_info()[0]
     clock.lap("settle")
-    owners, free_after = _measured_pass(runner, workspace, clock)
+    owners, free_after, footprint = _measured_pass(runner, workspace, clock)
     one_time, retained = 0, free_start - free_after
     if retained > ONE_TIME_THRESHOLD_BYTES:
         one_time, retained = retained, 0
@@ -142,7 +147,7 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> tuple[GraphMemoryReport, d
             _format_owners(owners),
             one_time / _MIB,
         )
-        owners, free_end = _measured_pass(runner, workspace, clock, suffix=" again")
+        owners, free_end, footprint = _measured_pass(runner, workspace, clock, suffix=" again")
         retained = free_after - free_end
     report = GraphMemoryReport(
         owners=owners,
@@ -152,7 +157,7 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> tuple[GraphMemoryReport, d
         retained_allocator_bytes=0,
         wall_seconds=clock.total(),
     )
-    return report, clock.phases
+    return report, clock.phases, footprint
 
 
 def budget_bytes(report: GraphMemoryReport) -> int:
@@ -162,8 +167,9 @@ def budget_bytes(report: GraphMemoryReport) -> int:
 
 def _measured_pass(
     runner: GPUModelRunner, workspace: LaneWorkspace, clock: _PhaseClock, suffix: str = ""
-) -> tuple[tuple[OwnerMemory, ...], int]:
-    """One disposable pass over ``capture_model``; the owners and the free bytes after it."""
+) -> tuple[tuple[OwnerMemory, ...], int, CaptureFootprint | None]:
+    """One disposable pass over ``capture_model``: the owners, the free bytes after the
+    pass and where the capture's bytes went."""
     from vllm.compilation.counter import compilation_counter
     from vllm.compilation.cudagraph_pool import capture_outside_cumem_pool
     from vllm.config import set_current_vllm_config
@@ -195,6 +201,7 @@ def _measured_pass(
                 capture_outside_cumem_pool(),
                 _capture_without_closing_collection(),
                 metering(CaptureMeter()) as meter,
+                meter.whole_call(),
             ):
                 total = int(runner.capture_model(profile_only=False))
             num_graphs = compilation_counter.num_cudagraph_captured - counters[0]
@@ -207,7 +214,7 @@ def _measured_pass(
     # The pass ended by settling (its restore steps), so a plain reading will do.
     free_after = torch.cuda.mem_get_info()[0]
     clock.lap("teardown" + suffix)
-    return meter.owners(total, num_graphs), free_after
+    return meter.owners(total, num_graphs), free_after, meter.footprint
 
 
 def _group_channel_pools() -> list[ChannelPool]:
@@ -360,8 +367,10 @@ def _profile_cudagraph_memory(upstream: Callable[[Any], int]) -> Callable[[Any],
         )
         from vllm_specgraph.patches.v1.worker.gpu.model_runner import SpecgraphCapture
 
-        report, phases = exact_cudagraph_memory(runner)
-        runner.specgraph_profile = SpecgraphCapture(estimate=report, phase_seconds=phases)
+        report, phases, footprint = exact_cudagraph_memory(runner)
+        runner.specgraph_profile = SpecgraphCapture(
+            estimate=report, phase_seconds=phases, estimate_footprint=footprint
+        )
         # Communicator workspaces vLLM makes after sizing the KV cache come out of it too.
         after_kv_cache = pcie_ipc.communicator_bytes_after_kv_cache(runner)
         logger.info(

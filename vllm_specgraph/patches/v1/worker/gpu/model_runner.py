@@ -39,6 +39,7 @@ from vllm_specgraph.patches._patching import PatchSet
 from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory
 
 __all__ = [
+    "CaptureFootprint",
     "CaptureMeter",
     "SpecgraphCapture",
     "install",
@@ -52,6 +53,44 @@ DRAFT_LANE = DEFAULT_OWNER_LANES["draft"]
 _MIB = 1 << 20
 
 
+@dataclass(frozen=True)
+class CaptureFootprint:
+    """Where the driver-level bytes of one ``capture_model`` call went.
+
+    Split by the caching allocator's segments on this device: those of graph
+    pools (the graphs' own memory), those of the default pools (blocks made
+    during the call that outlive it keep their segments), and the rest, which
+    the allocator does not hold (kernel code loaded on first launch, graph
+    instantiation). A profile that matches production in total but not here
+    points at the part that differs.
+    """
+
+    graph_pool_bytes: int
+    default_pool_bytes: int
+    outside_allocator_bytes: int
+
+    def describe(self) -> str:
+        return (
+            f"graph pools {self.graph_pool_bytes / _MIB:.1f}, default pools "
+            f"{self.default_pool_bytes / _MIB:.1f}, outside the allocator "
+            f"{self.outside_allocator_bytes / _MIB:.1f} MiB"
+        )
+
+
+def _segment_bytes() -> tuple[int, int]:
+    """Bytes in this device's allocator segments: (graph pools, default pools)."""
+    device = torch.cuda.current_device()
+    graph = default = 0
+    for segment in torch.cuda.memory_snapshot():
+        if segment.get("device", device) != device:
+            continue
+        if tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0):
+            default += segment["total_size"]
+        else:
+            graph += segment["total_size"]
+    return graph, default
+
+
 @dataclass
 class CaptureMeter:
     """Bytes and graphs that each owner's part of one ``capture_model`` call took.
@@ -59,10 +98,30 @@ class CaptureMeter:
     Read the way ``capture_model`` reads its own total: synchronise, then
     driver-level free memory, no cache flush, so that the owners add up to
     vLLM's figure. Owners not measured explicitly get the rest (``target``).
+    :meth:`whole_call` also splits the call's total (``footprint``).
     """
 
     driver_bytes: dict[str, int] = field(default_factory=dict)
     num_graphs: dict[str, int] = field(default_factory=dict)
+    footprint: CaptureFootprint | None = None
+
+    @contextmanager
+    def whole_call(self) -> Iterator[None]:
+        """Measure the block as one ``capture_model`` call; sets ``footprint`` on success.
+
+        Empties the allocator's cache first, as ``capture_model`` itself does on
+        entry, so both start their readings from the same state.
+        """
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        graph_before, default_before = _segment_bytes()
+        yield
+        torch.cuda.synchronize()
+        taken = free_before - torch.cuda.mem_get_info()[0]
+        graph_after, default_after = _segment_bytes()
+        graph, default = graph_after - graph_before, default_after - default_before
+        self.footprint = CaptureFootprint(graph, default, taken - graph - default)
 
     @contextmanager
     def measure(self, owner: str) -> Iterator[None]:
@@ -140,6 +199,8 @@ class SpecgraphCapture:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     capture_wall_seconds: float | None = None
     actual: tuple[OwnerMemory, ...] | None = None
+    estimate_footprint: CaptureFootprint | None = None  # the profile's last pass
+    actual_footprint: CaptureFootprint | None = None
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -151,7 +212,13 @@ class SpecgraphCapture:
             else sum(o.driver_bytes for o in self.actual),
             "phase_seconds": self.phase_seconds,
             "capture_wall_seconds": self.capture_wall_seconds,
+            "estimate_footprint": _footprint_dict(self.estimate_footprint),
+            "actual_footprint": _footprint_dict(self.actual_footprint),
         }
+
+
+def _footprint_dict(footprint: CaptureFootprint | None) -> dict[str, int] | None:
+    return None if footprint is None else asdict(footprint)
 
 
 def _wrap_init(original: Callable) -> Callable:
@@ -184,12 +251,13 @@ def _wrap_capture_model(original: Callable) -> Callable:
 
         graphs_before = compilation_counter.num_cudagraph_captured
         started = time.perf_counter()
-        with metering(CaptureMeter()) as meter:
+        with metering(CaptureMeter()) as meter, meter.whole_call():
             total = original(self, profile_only=profile_only)
         outcome.capture_wall_seconds = time.perf_counter() - started
         outcome.actual = meter.owners(
             int(total), compilation_counter.num_cudagraph_captured - graphs_before
         )
+        outcome.actual_footprint = meter.footprint
         _log_estimate_vs_actual(outcome)
         return total
 
@@ -207,10 +275,18 @@ def _log_estimate_vs_actual(outcome: SpecgraphCapture) -> None:
     total_actual = sum(o.driver_bytes for o in outcome.actual or ())
     total_estimate = outcome.estimate.total_driver_bytes
     kept = outcome.estimate.one_time_bytes + max(outcome.estimate.retained_bytes, 0)
+    footprints = [
+        f"{name}: {footprint.describe()}"
+        for name, footprint in (
+            ("production", outcome.actual_footprint),
+            ("the profile's last pass", outcome.estimate_footprint),
+        )
+        if footprint is not None
+    ]
     logger.info(
         "vllm-specgraph: CUDA graph memory, estimate vs actual: %s; graphs %.1f vs %.1f MiB "
         "(%+.2f%%); the budget also held %.1f MiB the profile left with the process; "
-        "production capture %.2f s, profile %.2f s (%.2fx)",
+        "production capture %.2f s, profile %.2f s (%.2fx)%s",
         ", ".join(parts),
         total_estimate / _MIB,
         total_actual / _MIB,
@@ -219,6 +295,7 @@ def _log_estimate_vs_actual(outcome: SpecgraphCapture) -> None:
         outcome.capture_wall_seconds,
         outcome.estimate.wall_seconds,
         outcome.estimate.wall_seconds / max(outcome.capture_wall_seconds or 0.0, 1e-9),
+        "".join(f"; {f}" for f in footprints),
     )
 
 
