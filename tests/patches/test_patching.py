@@ -61,6 +61,25 @@ def test_replace_missing_name_or_changed_signature_refused_naming_the_fix():
     assert patches.names == () and module.f(3) == 3
 
 
+def test_wrap_hands_the_checked_original_to_the_wrapper_and_undo_restores_it():
+    module = types.ModuleType("probe")
+    module.f = original = lambda a: a
+    made: list = []
+
+    def make_wrapper(wrapped):
+        made.append(wrapped)
+        return lambda a: wrapped(a) + 1
+
+    patches = PatchSet()
+    with pytest.raises(RuntimeError, match=r"probe\.g: it does not exist"):
+        patches.wrap(module, "g", make_wrapper)
+    assert made == [], "the wrapper is made only for a target that passed the checks"
+    assert patches.wrap(module, "f", make_wrapper, parameters=("a",)) is original
+    assert made == [original] and module.f(3) == 4
+    patches.undo()
+    assert module.f is original
+
+
 def test_when_imported_failed_install_patches_again_on_the_next_import(package):
     attempts = []
 

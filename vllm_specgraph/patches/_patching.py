@@ -19,6 +19,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable
 from types import ModuleType
+from typing import Any
 
 __all__ = ["PatchSet", "when_imported"]
 
@@ -48,6 +49,20 @@ class PatchSet:
         them through). Raises RuntimeError naming the target and the fix when
         the target is missing or its signature changed.
         """
+        return self.wrap(owner, name, lambda original: new, parameters=parameters)
+
+    def wrap(
+        self,
+        owner: ModuleType | type,
+        name: str,
+        make_wrapper: Callable[[Any], object],
+        *,
+        parameters: Iterable[str] = (),
+    ) -> object:
+        """Rebind ``owner.name`` to ``make_wrapper(original)``; returns the original.
+
+        The original is checked as :meth:`replace` checks it before the wrapper is made.
+        """
         present = name in vars(owner)
         original = vars(owner).get(name) if present else getattr(owner, name, None)
         if original is None:
@@ -66,7 +81,7 @@ class PatchSet:
                     f"lacks {missing}; this vLLM is not the one the plugin supports "
                     "(set VLLM_SPECGRAPH=0 to run without it)"
                 )
-        setattr(owner, name, new)
+        setattr(owner, name, make_wrapper(original))
         self._made.append((owner, name, original, present))
         return original
 

@@ -64,9 +64,9 @@ def _wrap_graph_capture(graph_capture: Callable[..., Any]) -> Callable[..., Any]
 
 def install(patches: PatchSet, parallel_state: ModuleType) -> None:
     coordinator = parallel_state.GroupCoordinator
-    patches.replace(
+    patches.wrap(
         coordinator,
         "graph_capture",
-        _wrap_graph_capture(vars(coordinator)["graph_capture"]),
+        _wrap_graph_capture,
         parameters=("self", "graph_capture_context"),
     )

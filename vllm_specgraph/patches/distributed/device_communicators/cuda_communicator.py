@@ -209,17 +209,15 @@ def _stream_is_capturing() -> bool:
 
 def install(patches: PatchSet, cuda_communicator: ModuleType) -> None:
     communicator = cuda_communicator.CudaCommunicator
-    patches.replace(
+    patches.wrap(
         communicator,
         "_log_all_reduce_backend_selection",
-        _wrap_log_selection(
-            vars(communicator)["_log_all_reduce_backend_selection"], cuda_communicator
-        ),
+        functools.partial(_wrap_log_selection, cuda_communicator=cuda_communicator),
         parameters=("self",),
     )
-    patches.replace(
+    patches.wrap(
         communicator,
         "all_reduce",
-        _wrap_all_reduce(vars(communicator)["all_reduce"]),
+        _wrap_all_reduce,
         parameters=("self", "input_"),
     )

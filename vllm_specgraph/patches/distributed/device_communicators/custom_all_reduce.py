@@ -110,15 +110,15 @@ def _wrap_all_reduce_chunk(all_reduce_chunk: Callable[..., None]) -> Callable[..
 
 def install(patches: PatchSet, custom_all_reduce: ModuleType) -> None:
     communicator = custom_all_reduce.CustomAllreduce
-    patches.replace(
+    patches.wrap(
         communicator,
         "capture",
-        _wrap_capture(vars(communicator)["capture"]),
+        _wrap_capture,
         parameters=("self",),
     )
-    patches.replace(
+    patches.wrap(
         communicator,
         "_all_reduce_chunk",
-        _wrap_all_reduce_chunk(vars(communicator)["_all_reduce_chunk"]),
+        _wrap_all_reduce_chunk,
         parameters=("inp", "out", "registered"),
     )

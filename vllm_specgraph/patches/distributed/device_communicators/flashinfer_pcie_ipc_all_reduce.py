@@ -162,9 +162,9 @@ def _measured(setup: Callable[..., None]) -> Callable[..., None]:
 
 def install(patches: PatchSet, flashinfer_pcie_ipc_all_reduce: ModuleType) -> None:
     communicator = flashinfer_pcie_ipc_all_reduce.FlashInferPcieIpcAllReduce
-    patches.replace(
+    patches.wrap(
         communicator,
         "setup",
-        _measured(vars(communicator)["setup"]),
+        _measured,
         parameters=("hidden_dim", "dtype", "capture_sizes", "tune_cache"),
     )

@@ -45,9 +45,9 @@ def _then_release_retired(release_cuda_graphs: Callable) -> Callable:
 
 def install(patches: PatchSet, elastic_execute: ModuleType) -> None:
     executor = elastic_execute.ElasticEPScalingExecutor
-    patches.replace(
+    patches.wrap(
         executor,
         "_release_cuda_graphs",
-        _then_release_retired(vars(executor)["_release_cuda_graphs"]),
+        _then_release_retired,
         parameters=("self",),
     )

@@ -46,11 +46,10 @@ def _in_draft_lane_when(is_draft: Callable[..., bool], method: Callable) -> Call
 
 
 def install(patches: PatchSet, gpu_worker: ModuleType) -> None:
-    original = gpu_worker._num_workspace_lanes
-    patches.replace(
+    patches.wrap(
         gpu_worker,
         "_num_workspace_lanes",
-        _num_workspace_lanes(original),
+        _num_workspace_lanes,
         parameters=("vllm_config", "use_v2_model_runner"),
     )
     worker = gpu_worker.Worker
@@ -61,5 +60,6 @@ def install(patches: PatchSet, gpu_worker: ModuleType) -> None:
         ("update_weights", in_draft_session, ("update_info",)),
         ("finish_weight_update", in_draft_session, ()),
     ):
-        method = vars(worker)[name]
-        patches.replace(worker, name, _in_draft_lane_when(is_draft, method), parameters=parameters)
+        patches.wrap(
+            worker, name, functools.partial(_in_draft_lane_when, is_draft), parameters=parameters
+        )

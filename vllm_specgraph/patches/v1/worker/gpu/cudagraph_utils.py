@@ -399,10 +399,9 @@ def _profile_cudagraph_memory(upstream: Callable[[Any], int]) -> Callable[[Any],
 
 
 def install(patches: PatchSet, cudagraph_utils: ModuleType) -> None:
-    upstream = cudagraph_utils.profile_cudagraph_memory
-    patches.replace(
+    patches.wrap(
         cudagraph_utils,
         "profile_cudagraph_memory",
-        _profile_cudagraph_memory(upstream),
+        _profile_cudagraph_memory,
         parameters=("runner",),
     )

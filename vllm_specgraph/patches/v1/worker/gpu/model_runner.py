@@ -309,25 +309,20 @@ def install(patches: PatchSet, model_runner: ModuleType) -> None:
             "install the patches through vllm_specgraph.patches.arm()"
         )
     runner = model_runner.GPUModelRunner
-    patches.replace(
-        runner, "__init__", _wrap_init(vars(runner)["__init__"]), parameters=("vllm_config",)
-    )
-    patches.replace(
+    patches.wrap(runner, "__init__", _wrap_init, parameters=("vllm_config",))
+    patches.wrap(
         runner,
         "capture_model",
-        _wrap_capture_model(vars(runner)["capture_model"]),
+        _wrap_capture_model,
         parameters=("profile_only",),
     )
-    patches.replace(
-        model_runner,
-        "init_speculator",
-        _wrap_init_speculator(model_runner.init_speculator),
-        parameters=("vllm_config",),
+    patches.wrap(
+        model_runner, "init_speculator", _wrap_init_speculator, parameters=("vllm_config",)
     )
-    patches.replace(
+    patches.wrap(
         model_runner,
         "refresh_quantized_lm_heads",
-        _in_draft_lane(model_runner.refresh_quantized_lm_heads, "refresh_quantized_lm_heads"),
+        functools.partial(_in_draft_lane, name="refresh_quantized_lm_heads"),
     )
     patches.replace(model_runner, "use_workspace_lane", use_lane, parameters=("lane",))
     patches.replace(
