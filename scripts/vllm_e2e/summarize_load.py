@@ -10,8 +10,10 @@ the ratio of the medians on/off, the same ratio per round, the number of runs
 of each switch, the mean engine-step time (median over the pooled repeats: a
 repeat's wall time over the engine steps vLLM counted) and its ratio, and the
 speculative acceptance over the timed repeats of all runs. A row passes when
-every run's greedy tokens, off and on, are the same and the ratio of the
-medians is within the target.
+every run's greedy tokens, off and on, are the same and the plugin costs at
+most the target: on/off of the medians is at least ``1 - MAX_SLOWDOWN``. A
+ratio above 1 is not checked: the plugin adds no work to a step, so on
+running faster is the runs' spread, and the table shows it as measured.
 
 Rows of schema 1 (one off and one on run, checked on the best repeat) are
 still read and carried over; the cells they lack say "-".
@@ -28,7 +30,7 @@ from typing import Any
 RESULTS_NAME = "vllm_load"
 SCHEMA = 2
 READABLE_SCHEMAS = (1, 2)
-RATIO_TOLERANCE = 0.02
+MAX_SLOWDOWN = 0.02
 
 __all__ = ["COLUMNS", "build_row", "markdown", "round_of", "row_cells", "write"]
 
@@ -193,7 +195,7 @@ def build_row(group: str, case: str, offs: list[Run], ons: list[Run]) -> dict[st
     }
     checks = {
         "tokens": equal,
-        "ratio": None if ratio is None else abs(ratio - 1) <= RATIO_TOLERANCE,
+        "ratio": None if ratio is None else ratio >= 1 - MAX_SLOWDOWN,
     }
     row["checks"] = checks
     row["pass"] = all(v is True for v in checks.values())
@@ -290,7 +292,8 @@ def markdown(doc: dict[str, Any]) -> str:
     out += [
         "",
         "Check: every run's greedy tokens, off and on, in every round, are the same; "
-        f"on/off of the median tokens/s over the pooled repeats is within {RATIO_TOLERANCE:.0%}. "
+        f"on/off of the median tokens/s over the pooled repeats is at least {1 - MAX_SLOWDOWN:.2f} "
+        "(the plugin costs at most that; above 1 is the runs' spread, not checked). "
         "Measured: "
         + ", ".join(f"{r['size']}/{r['case']} {r.get('measured_utc')} UTC" for r in doc["rows"])
         + ".",
@@ -321,7 +324,7 @@ def write(
     doc = {
         "schema": SCHEMA,
         "generated_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
-        "ratio_tolerance": RATIO_TOLERANCE,
+        "max_slowdown": MAX_SLOWDOWN,
         "rows": rows,
     }
     os.makedirs(results_dir, exist_ok=True)
