@@ -163,3 +163,45 @@ def test_production_capture_reports_where_its_bytes_went(monkeypatch, caplog):
     assert line.endswith(
         "; production: graph pools 30.0, default pools 2.0, outside the allocator 6.0 MiB"
     ), line
+
+
+@pytest.mark.parametrize(
+    ("estimate_mib", "actual_mib", "alloc_conf", "warned", "hint"),
+    [
+        (114, 118, None, True, True),  # 1B with ngram on an H200: 4 MiB, one segment apart
+        (114, 118, "max_split_size_mb:512,expandable_segments:True", True, False),
+        (116, 118, None, False, False),  # 2 MiB: the floor
+        (1009, 1000, None, False, False),  # 0.9 %
+        (1011, 1000, None, True, True),  # 1.1 %
+    ],
+)
+def test_estimate_far_from_production_warns_and_names_the_allocator_setting(
+    monkeypatch, caplog, estimate_mib, actual_mib, alloc_conf, warned, hint
+):
+    from vllm_specgraph.patches.v1.worker.gpu import model_runner as patch
+    from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory
+
+    mib = 1 << 20
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    if alloc_conf is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", alloc_conf)
+    estimate = GraphMemoryReport(
+        (OwnerMemory("target", 51, estimate_mib * mib, 0),), 0, 0, 0, 0, 1.0
+    )
+    outcome = patch.SpecgraphCapture(
+        estimate=estimate,
+        capture_wall_seconds=1.0,
+        actual=(OwnerMemory("target", 51, actual_mib * mib, 0),),
+    )
+    with caplog.at_level("INFO", logger="vllm.specgraph"):
+        patch._log_estimate_vs_actual(outcome)
+    warnings = [r.message for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == int(warned), warnings
+    if warned:
+        assert (
+            f"missed the production capture by {estimate_mib - actual_mib:+.1f} MiB"
+            in (warnings[0])
+        )
+        assert ("expandable_segments:True" in warnings[0]) == hint, warnings[0]

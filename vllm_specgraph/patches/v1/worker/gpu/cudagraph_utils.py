@@ -134,13 +134,15 @@ def exact_cudagraph_memory(
     one_time, retained = 0, free_start - free_after
     if retained > ONE_TIME_THRESHOLD_BYTES:
         one_time, retained = retained, 0
-        # Which capture made the state, and how much of what a pass took goes back
-        # at teardown, differ by a few MiB from pass to pass: measured on an H200,
-        # the first pass's total less what it left missed production by 4 MiB either
-        # way. A second pass finds the state in place, as production will. Production
-        # itself can still land a 4 MiB step away (the 1B model with ngram: 138 MiB
-        # against 134 for both passes' graphs); not yet explained, most likely the
-        # caching allocator packing its segments by the layout the capture starts from.
+        # The first pass's total less what it left is no estimate: on an H200 (1B
+        # model) it missed production by 4 to 24 MiB. A second pass finds the
+        # one-time state in place, as production will, and matched it in most cases.
+        # Production can still land a segment away (1B with ngram: 118 MiB against
+        # 114): the allocator breaks ties between equal free blocks by address, and
+        # addresses differ once the KV cache exists. An allocator trace showed the
+        # same requests in the same order, one of them served from a free block in
+        # production and from a new segment in the profile. With expandable segments
+        # the addresses follow the order of the requests and both passes were exact.
         logger.info(
             "vllm-specgraph: the first profiling pass took %s and left %.1f MiB with the "
             "process; measuring again with that state in place",

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -51,6 +52,10 @@ logger = logging.getLogger("vllm.specgraph")
 
 DRAFT_LANE = DEFAULT_OWNER_LANES["draft"]
 _MIB = 1 << 20
+
+ESTIMATE_TOLERANCE_FRACTION = 0.01
+ESTIMATE_TOLERANCE_BYTES = 2 * _MIB
+"""An estimate further than max(1 %, 2 MiB) from the production capture is warned about."""
 
 
 @dataclass(frozen=True)
@@ -297,6 +302,28 @@ def _log_estimate_vs_actual(outcome: SpecgraphCapture) -> None:
         outcome.estimate.wall_seconds / max(outcome.capture_wall_seconds or 0.0, 1e-9),
         "".join(f"; {f}" for f in footprints),
     )
+    missed = total_estimate - total_actual
+    if abs(missed) > max(ESTIMATE_TOLERANCE_FRACTION * total_actual, ESTIMATE_TOLERANCE_BYTES):
+        logger.warning(
+            "vllm-specgraph: the estimate missed the production capture by %+.1f MiB, more "
+            "than max(1 %%, 2 MiB). Most likely PyTorch's caching allocator packed the same "
+            "requests into different segments: it breaks ties between free blocks of equal "
+            "size by address, and addresses differ once the KV cache exists (the pools above "
+            "show where)%s",
+            missed / _MIB,
+            ""
+            if _expandable_segments()
+            else "; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True grows one segment per "
+            "pool and stream, so addresses follow the order of the requests and the estimate "
+            "is exact",
+        )
+
+
+def _expandable_segments() -> bool:
+    settings = ",".join(
+        os.environ.get(n, "") for n in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    )
+    return "expandable_segments:true" in settings.replace(" ", "").lower()
 
 
 def install(patches: PatchSet, model_runner: ModuleType) -> None:
