@@ -955,9 +955,9 @@ def test_table_cells_of_the_committed_results():
         row_cells = summarize_table.row_cells(rows[(size, case)])
         return dict(zip(summarize_table.COLUMNS, row_cells, strict=True))
 
-    carried = cells("1b", "eagle")
+    carried = cells("tiny-tp2", "base")
     assert carried["graph estimate upstream (off) / plugin (on) / none (noest) MiB"] == (
-        "518.0 / 402.0"
+        "43.0 / 38.0"
     )
     assert carried["over budget at rest off / on / noest MiB"] == "- / -"
     assert carried["measured (UTC)"] == "-"
@@ -970,7 +970,9 @@ def test_table_cells_of_the_committed_results():
         "-30.0 / 0.0 / -298.0"
     )
     assert with_noest["capture sizes"] == "default (51)" and with_noest["check"] == "PASS"
-    assert "| 1b | default | eagle |" in summarize_table.markdown(doc | {"tight_rows": []})
+    assert "| tiny-tp2 | default | base [rank 0 of 2] |" in summarize_table.markdown(
+        doc | {"tight_rows": []}
+    )
 
 
 def load_run(
