@@ -19,7 +19,7 @@
 # switch), each in its own process with its own time limit, one run per GPU at a
 # time and as many at once as there are GPUs, and prints a summary last
 # (scripts/vllm_e2e/summarize.py). Logs and JSON files go to $OUT (or
-# /tmp/vllm-e2e-out): SIZE-CASE-PLUGIN[-small][-peak|-tight|-load[-rN]][-tpN].json
+# /tmp/vllm-e2e-out): SIZE-CASE-PLUGIN[-small][-peak|-tight|-load[-rN]][-expandable][-tpN].json
 # and .log per run (-rN: round N > 1 of MODE=load), and
 # bench/results/vllm_graph_memory.{json,md} (vllm_load.* in MODE=load).
 #
@@ -41,6 +41,11 @@
 #                                  (default "off on noest" in MODE=tight)
 #   CAPTURE="default"              capture-size sets, one or both: default (the size's:
 #                                  vLLM's default for 1b) | small (1, 2, 4, 8, 16, 32)
+#   ALLOCATOR=default              default: PyTorch's caching allocator as it comes
+#                                  (PYTORCH_CUDA_ALLOC_CONF unset) | expandable:
+#                                  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for
+#                                  every run; run once with each into one OUT to put
+#                                  both allocators side by side in the table
 #   GPUS=(every GPU nvidia-smi lists)  GPU indices to run on (default: those of
 #                                  CUDA_VISIBLE_DEVICES if set); at TP=1 one run per
 #                                  GPU at a time, at TP > 1 one run per TP GPUs at a time
@@ -90,6 +95,7 @@ SIZES="${SIZES:-$d_sizes}"
 CASES="${CASES:-$d_cases}"
 PLUGIN="${PLUGIN:-$d_plugin}"
 CAPTURE="${CAPTURE:-default}"
+ALLOCATOR="${ALLOCATOR:-default}"
 # Default: the GPUs CUDA_VISIBLE_DEVICES names, if set, else every GPU nvidia-smi lists.
 visible="${CUDA_VISIBLE_DEVICES:-}"
 GPUS="${GPUS:-${visible//,/ }}"
@@ -123,17 +129,22 @@ done
 for c in $CAPTURE; do
   case "$c" in default|small) ;; *) echo "unknown capture-size set '$c' (default, small)"; exit 2 ;; esac
 done
+case "$ALLOCATOR" in
+  default|expandable) ;; *) echo "unknown ALLOCATOR '$ALLOCATOR' (default, expandable)"; exit 2 ;;
+esac
 case "$TP" in ''|*[!0-9]*|0) echo "TP must be a positive integer, got '$TP'"; exit 2 ;; esac
 case "$LOAD_ROUNDS" in
   ''|*[!0-9]*|0) echo "LOAD_ROUNDS must be a positive integer, got '$LOAD_ROUNDS'"; exit 2 ;;
 esac
-TP_ARGS=()
+RUN_ARGS=()
 SUFFIX=""
 if [ "$TP" -gt 1 ]; then
-  TP_ARGS=(--tp "$TP")
-  [ "$CUSTOM_AR" = 1 ] && TP_ARGS+=(--custom-all-reduce)
+  RUN_ARGS=(--tp "$TP")
+  [ "$CUSTOM_AR" = 1 ] && RUN_ARGS+=(--custom-all-reduce)
   SUFFIX="-tp$TP"
 fi
+RUN_ARGS+=(--allocator "$ALLOCATOR")
+[ "$ALLOCATOR" = expandable ] && SUFFIX="-expandable$SUFFIX"  # a name ends in its TP part
 
 # Lanes: the GPUs one run uses, as CUDA_VISIBLE_DEVICES lists them (one GPU at
 # TP=1, TP consecutive ones of GPUS above). Driver-level memory readings are per
@@ -265,7 +276,7 @@ run_one() {
   ( cd "$W/cwd" && export CUDA_VISIBLE_DEVICES="$lane" \
       && exec ${PIN[$lane_index]} timeout -k 10 "$limit" python3 "$E2E/run_llm.py" \
         --size "$size" --case "$case" --plugin "$plugin" "${args[@]}" \
-        ${TP_ARGS[@]+"${TP_ARGS[@]}"} --out "$OUTDIR/$name.json" ) > "$OUTDIR/$name.log" 2>&1 &
+        ${RUN_ARGS[@]+"${RUN_ARGS[@]}"} --out "$OUTDIR/$name.json" ) > "$OUTDIR/$name.log" 2>&1 &
   run_pid=$!
   wait "$run_pid"
   rc=$?

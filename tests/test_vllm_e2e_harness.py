@@ -272,9 +272,28 @@ def test_plugin_switch_sets_the_environment(monkeypatch, switch, plugins, specgr
     monkeypatch.setenv("VLLM_PLUGINS", "other")
     monkeypatch.setenv(ESTIMATE_ENV, "7")
     env = run_llm.set_env(switch)
-    assert env == {"VLLM_PLUGINS": plugins, "VLLM_SPECGRAPH": specgraph, ESTIMATE_ENV: estimate}
+    assert env == {
+        "VLLM_PLUGINS": plugins,
+        "VLLM_SPECGRAPH": specgraph,
+        ESTIMATE_ENV: estimate,
+        "PYTORCH_CUDA_ALLOC_CONF": None,
+    }
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     assert memory_budget.estimate_applied() is (switch != "noest")
+
+
+@pytest.mark.parametrize(
+    ("allocator", "conf"), [("default", None), ("expandable", "expandable_segments:True")]
+)
+def test_allocator_switch_sets_the_allocator_environment(monkeypatch, allocator, conf):
+    # Inherited settings must not leak into either allocator's runs.
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    env = run_llm.set_env("on", allocator)
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == conf
+    assert "PYTORCH_ALLOC_CONF" not in os.environ
+    with pytest.raises(ValueError, match="allocator must be one of"):
+        run_llm.set_env("on", "cumem")
 
 
 @pytest.fixture
@@ -1162,7 +1181,8 @@ exec "$REAL_PYTHON" "$@"
 FAKE_RUN = """
 import argparse, json, os, sys, time
 ap = argparse.ArgumentParser()
-for name in ("size", "case", "plugin", "capture", "workload", "tight-plan", "out", "tp"):
+names = ("size", "case", "plugin", "capture", "allocator", "workload", "tight-plan", "out", "tp")
+for name in names:
     ap.add_argument("--" + name)
 ap.add_argument("--load-round", type=int)
 args, _ = ap.parse_known_args()
@@ -1183,7 +1203,8 @@ mem = {
 }
 result = {
     "size": args.size, "case": args.case, "plugin": {"switch": args.plugin},
-    "capture": args.capture, "workload": args.workload, "ok": True, "stage": "done",
+    "capture": args.capture, "allocator": args.allocator, "workload": args.workload,
+    "ok": True, "stage": "done",
     "mem": mem, "tokens": [[1, 2]], "argv": sys.argv[1:], "start": start, "end": time.time(),
     "lane": os.environ.get("CUDA_VISIBLE_DEVICES"), "gpu_memory_utilization": util,
 }
@@ -1372,6 +1393,23 @@ def test_device_script_packs_tensor_parallel_gpu_groups(device_script):
     assert "lanes (CUDA_VISIBLE_DEVICES): 3 1" in limited.stdout, limited.stdout
     refused = run(TP="2", FAKE_GPUS="1")
     assert refused.returncode == 2 and "TP=2 needs 2 GPUs" in refused.stdout
+
+
+def test_device_script_puts_both_allocators_into_one_table(device_script):
+    run, out = device_script
+    run(SIZES="tiny", CASES="base", GPUS="0")
+    done = run(SIZES="tiny", CASES="base", GPUS="0", ALLOCATOR="expandable")
+    runs = _runs(out)
+    assert set(runs) == {f"tiny-base-{p}{a}" for p in ("off", "on") for a in ("", "-expandable")}, (
+        done.stdout + done.stderr
+    )
+    assert {_arg(r, "--allocator") for n, r in runs.items() if "expandable" in n} == {"expandable"}
+    assert {_arg(r, "--allocator") for n, r in runs.items() if "expandable" not in n} == {"default"}
+    table = (out / "bench" / "results" / "vllm_graph_memory.md").read_text()
+    assert "| tiny | default | base |" in table and "| tiny-expandable | default | base |" in table
+    assert "allocator: expandable segments" in table
+    refused = run(ALLOCATOR="cumem")
+    assert refused.returncode == 2 and "unknown ALLOCATOR 'cumem'" in refused.stdout
 
 
 # ---- tensor parallelism (--tp > 1) ----------------------------------------------

@@ -4,6 +4,7 @@ graphs, optional speculator, vllm-specgraph plugin on or off. One run per proces
 
     python run_llm.py --size tiny|1b --case base|draft|ngram|eagle \
         --plugin off|on|none|noest [--capture default|small] \
+        [--allocator default|expandable] \
         [--workload smoke|peak|load [--load-round N]] [--tight-plan PLAN.json] \
         [--tp N [--custom-all-reduce]] --out result.json
 
@@ -18,6 +19,10 @@ graphs, optional speculator, vllm-specgraph plugin on or off. One run per proces
 
 ``--capture``: ``default`` is the size's capture sizes (vLLM's default for the
 1B size, 1 to 32 for tiny); ``small`` is 1, 2, 4, 8, 16, 32 for every size.
+``--allocator``: ``default`` is PyTorch's caching allocator as it comes
+(``PYTORCH_CUDA_ALLOC_CONF`` and ``PYTORCH_ALLOC_CONF`` removed from the
+environment), ``expandable`` sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
+(one growing segment per pool and stream), before torch allocates anything.
 ``--workload`` (``workloads.py``): ``smoke`` (6 prompts), ``peak`` (one full
 step, measured) or ``load`` (a few hundred mixed requests, timed);
 ``--load-round``: which of the device script's rounds of a load case this run
@@ -113,6 +118,9 @@ SIZES: dict[str, dict[str, Any]] = {
 # Capture-size sets: "default" is each size's own (above), "small" the same short
 # explicit list for every size.
 CAPTURE_SETS = ("default", "small")
+ALLOCATORS = {"default": None, "expandable": "expandable_segments:True"}
+"""``--allocator``: the ``PYTORCH_CUDA_ALLOC_CONF`` each one runs with (None: unset)."""
+ALLOC_CONF_ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 SMALL_CAPTURE_SIZES = [1, 2, 4, 8, 16, 32]
 
 BASE_ENV = {
@@ -128,13 +136,19 @@ BASE_ENV = {
 }
 
 
-def set_env(plugin: str) -> dict[str, str | None]:
-    """Set the engine's and the plugin switch's environment; call before importing
-    vLLM (``vllm.envs`` reads ``VLLM_PLUGINS`` when plugins load). The plugin
-    variables are forced, not defaulted, so an inherited value cannot turn one
-    switch into another."""
+def set_env(plugin: str, allocator: str = "default") -> dict[str, str | None]:
+    """Set the engine's, the plugin switch's and the allocator's environment; call
+    before importing vLLM (``vllm.envs`` reads ``VLLM_PLUGINS`` when plugins load)
+    and before torch allocates. The plugin and allocator variables are forced, not
+    defaulted, so an inherited value cannot turn one switch into another."""
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"allocator must be one of {tuple(ALLOCATORS)}, got {allocator!r}")
     for key, value in BASE_ENV.items():
         os.environ.setdefault(key, value)
+    for key in ALLOC_CONF_ENVS:
+        os.environ.pop(key, None)
+    if ALLOCATORS[allocator] is not None:
+        os.environ[ALLOC_CONF_ENVS[0]] = ALLOCATORS[allocator]
     os.environ.pop(memory_budget.ESTIMATE_ENV, None)  # vLLM's default: subtract the estimate
     if plugin == "none":
         os.environ["VLLM_PLUGINS"] = ""
@@ -150,7 +164,8 @@ def set_env(plugin: str) -> dict[str, str | None]:
     else:
         raise ValueError(f"plugin switch must be one of {PLUGIN_SWITCHES}, got {plugin!r}")
     return {
-        k: os.environ.get(k) for k in ("VLLM_PLUGINS", "VLLM_SPECGRAPH", memory_budget.ESTIMATE_ENV)
+        k: os.environ.get(k)
+        for k in ("VLLM_PLUGINS", "VLLM_SPECGRAPH", memory_budget.ESTIMATE_ENV, ALLOC_CONF_ENVS[0])
     }
 
 
@@ -459,6 +474,7 @@ def main() -> int:
     ap.add_argument("--gpu-mem-util", type=float, help="default: the size's")
     ap.add_argument("--cudagraph-mode", default="FULL")
     ap.add_argument("--capture", choices=CAPTURE_SETS, default="default")
+    ap.add_argument("--allocator", choices=tuple(ALLOCATORS), default="default")
     ap.add_argument("--workload", choices=workloads.WORKLOADS, default="smoke")
     ap.add_argument("--tight-plan", help="memory_budget.py's plan: its utilization is used")
     ap.add_argument("--load-requests", type=int, default=256)
@@ -499,13 +515,14 @@ def main() -> int:
             tight = json.load(f)
         args.gpu_mem_util = tight["gpu_memory_utilization"]
 
-    env = set_env(args.plugin)
+    env = set_env(args.plugin, args.allocator)
     plugin_log: list[str] = []
     result: dict[str, Any] = {
         "size": args.size,
         "case": args.case,
         "plugin": {"switch": args.plugin, "env": env},
         "capture": args.capture,
+        "allocator": args.allocator,
         "workload": args.workload,
         "ok": False,
         "stage": "import",

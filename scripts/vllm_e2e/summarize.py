@@ -97,13 +97,22 @@ def num(x: Any) -> float | None:
     return x if isinstance(x, int | float) and not isinstance(x, bool) else None
 
 
-def group_of(size: str, tp: Any, capture: Any = "default", workload: Any = "smoke") -> str:
+def group_of(
+    size: str,
+    tp: Any,
+    capture: Any = "default",
+    workload: Any = "smoke",
+    allocator: Any = "default",
+) -> str:
     """The table's size label: the size, then ``-small`` for the small
-    capture-size set, ``-peak`` for the full-step workload (the tight mode's
-    calibration runs), ``-tpN`` at TP=N > 1."""
+    capture-size set, ``-expandable`` for runs with the allocator's expandable
+    segments, ``-peak`` for the full-step workload (the tight mode's calibration
+    runs), ``-tpN`` at TP=N > 1."""
     group = size
     if capture not in (None, "default"):
         group += f"-{capture}"
+    if allocator not in (None, "default"):
+        group += f"-{allocator}"
     if workload == "peak":
         group += "-peak"
     return group if not isinstance(tp, int) or tp <= 1 else f"{group}-tp{tp}"
@@ -115,10 +124,16 @@ def split_group(group: str) -> tuple[str, int]:
     return size, int(tp) if tp.isdigit() else 1
 
 
-def group_order(group: str) -> tuple[int, bool, bool, int]:
+def group_order(group: str) -> tuple[int, bool, bool, bool, int]:
     label, tp = split_group(group)
     size, *parts = label.split("-")
-    return (SIZES.index(size) if size in SIZES else 99, "peak" in parts, "small" in parts, tp)
+    return (
+        SIZES.index(size) if size in SIZES else 99,
+        "peak" in parts,
+        "small" in parts,
+        "expandable" in parts,
+        tp,
+    )
 
 
 def kind_of(r: Run) -> str:
@@ -149,9 +164,11 @@ def load_runs(outdir: str) -> Kinds:
         when = datetime.datetime.fromtimestamp(os.path.getmtime(path), datetime.UTC)
         r["_measured_utc"] = when.strftime("%Y-%m-%d %H:%M")
         kind = kind_of(r)
-        group = group_of(r.get("size", "tiny"), r.get("tp"), r.get("capture"), r.get("workload"))
-        if kind != "memory":  # their own tables: the workload is implied
-            group = group_of(r.get("size", "tiny"), r.get("tp"), r.get("capture"))
+        # Their own tables imply the workload of the load and tight runs.
+        workload = r.get("workload") if kind == "memory" else None
+        group = group_of(
+            r.get("size", "tiny"), r.get("tp"), r.get("capture"), workload, r.get("allocator")
+        )
         key = (group, r["case"], switch)
         if kind == "load":
             runs["load"].setdefault(key, []).append(r)
@@ -455,6 +472,11 @@ def size_meta(size: str, runs: dict[Key, Run], outdir: str) -> dict:
             "capture_sizes": cc.get("cudagraph_capture_sizes", "vLLM default"),
             "num_capture_sizes": res.get("num_capture_sizes"),
         }
+        | (
+            {"allocator": "expandable segments"}
+            if any(r.get("allocator") == "expandable" for r in mine)
+            else {}
+        )
         | (
             {"tensor_parallel_size": kw["tensor_parallel_size"]}
             if kw.get("tensor_parallel_size", 1) > 1

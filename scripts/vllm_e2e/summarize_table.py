@@ -124,6 +124,7 @@ def _group_lines(doc: dict) -> list[str]:
                 ("gpu_memory_utilization", "gpu_memory_utilization "),
                 ("num_capture_sizes", "capture sizes: "),
                 ("tensor_parallel_size", "tensor_parallel_size "),
+                ("allocator", "allocator: "),
             )
             if st.get(key) is not None
         ]
