@@ -46,6 +46,10 @@
 #                                  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for
 #                                  every run; run once with each into one OUT to put
 #                                  both allocators side by side in the table
+#   ALLOCATOR_TRACE=0              1: record the allocator's history around every
+#                                  capture_model call of every run into
+#                                  $OUT/NAME.traces/capture-N.json.gz (TP=1 only;
+#                                  compare two with scripts/vllm_e2e/allocator_trace.py)
 #   GPUS=(every GPU nvidia-smi lists)  GPU indices to run on (default: those of
 #                                  CUDA_VISIBLE_DEVICES if set); at TP=1 one run per
 #                                  GPU at a time, at TP > 1 one run per TP GPUs at a time
@@ -96,6 +100,7 @@ CASES="${CASES:-$d_cases}"
 PLUGIN="${PLUGIN:-$d_plugin}"
 CAPTURE="${CAPTURE:-default}"
 ALLOCATOR="${ALLOCATOR:-default}"
+ALLOCATOR_TRACE="${ALLOCATOR_TRACE:-0}"
 # Default: the GPUs CUDA_VISIBLE_DEVICES names, if set, else every GPU nvidia-smi lists.
 visible="${CUDA_VISIBLE_DEVICES:-}"
 GPUS="${GPUS:-${visible//,/ }}"
@@ -133,6 +138,10 @@ case "$ALLOCATOR" in
   default|expandable) ;; *) echo "unknown ALLOCATOR '$ALLOCATOR' (default, expandable)"; exit 2 ;;
 esac
 case "$TP" in ''|*[!0-9]*|0) echo "TP must be a positive integer, got '$TP'"; exit 2 ;; esac
+case "$ALLOCATOR_TRACE" in
+  0) ;; 1) [ "$TP" = 1 ] || { echo "ALLOCATOR_TRACE=1 records at TP=1 only, got TP=$TP"; exit 2; } ;;
+  *) echo "ALLOCATOR_TRACE must be 0 or 1, got '$ALLOCATOR_TRACE'"; exit 2 ;;
+esac
 case "$LOAD_ROUNDS" in
   ''|*[!0-9]*|0) echo "LOAD_ROUNDS must be a positive integer, got '$LOAD_ROUNDS'"; exit 2 ;;
 esac
@@ -253,7 +262,8 @@ run_one() {
     [ "$round" -gt 1 ] && name+="-r$round"
   fi
   name+="$SUFFIX"
-  rm -f "$OUTDIR/$name.json" "$OUTDIR/$name.log"
+  rm -rf "$OUTDIR/$name.json" "$OUTDIR/$name.log" "$OUTDIR/$name.traces"
+  [ "$ALLOCATOR_TRACE" = 1 ] && args+=(--allocator-trace "$OUTDIR/$name.traces")
   local tvar="T_$size" left limit
   left=$(( BUDGET - ($(date +%s) - t0) - RESERVE ))
   limit="${!tvar}"

@@ -1412,6 +1412,15 @@ def test_device_script_puts_both_allocators_into_one_table(device_script):
     assert refused.returncode == 2 and "unknown ALLOCATOR 'cumem'" in refused.stdout
 
 
+def test_device_script_records_allocator_traces_per_run_at_tp_1(device_script):
+    run, out = device_script
+    done = run(SIZES="tiny", CASES="base", PLUGIN="on", ALLOCATOR_TRACE="1")
+    (r,) = _runs(out).values()
+    assert _arg(r, "--allocator-trace") == str(out / "tiny-base-on.traces"), done.stdout
+    refused = run(ALLOCATOR_TRACE="1", TP="2")
+    assert refused.returncode == 2 and "ALLOCATOR_TRACE=1 records at TP=1 only" in refused.stdout
+
+
 # ---- tensor parallelism (--tp > 1) ----------------------------------------------
 
 e2e_worker = _load("e2e_worker")

@@ -4,7 +4,7 @@ graphs, optional speculator, vllm-specgraph plugin on or off. One run per proces
 
     python run_llm.py --size tiny|1b --case base|draft|ngram|eagle \
         --plugin off|on|none|noest [--capture default|small] \
-        [--allocator default|expandable] \
+        [--allocator default|expandable] [--allocator-trace DIR] \
         [--workload smoke|peak|load [--load-round N]] [--tight-plan PLAN.json] \
         [--tp N [--custom-all-reduce]] --out result.json
 
@@ -23,6 +23,9 @@ graphs, optional speculator, vllm-specgraph plugin on or off. One run per proces
 (``PYTORCH_CUDA_ALLOC_CONF`` and ``PYTORCH_ALLOC_CONF`` removed from the
 environment), ``expandable`` sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
 (one growing segment per pool and stream), before torch allocates anything.
+``--allocator-trace DIR``: ``allocator_trace.py`` records the caching
+allocator's history around every ``capture_model`` call (the profile's passes
+and the production capture), for ``allocator_trace.py compare``.
 ``--workload`` (``workloads.py``): ``smoke`` (6 prompts), ``peak`` (one full
 step, measured) or ``load`` (a few hundred mixed requests, timed);
 ``--load-round``: which of the device script's rounds of a load case this run
@@ -66,7 +69,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-import memory_budget  # noqa: E402  (this directory, made importable just above)
+import allocator_trace  # noqa: E402  (this directory, made importable just above)
+import memory_budget  # noqa: E402
 import workloads  # noqa: E402
 from measure import install_wrappers, plugin_report, wrappers_intact  # noqa: E402
 from workloads import prompts_token_ids, spec_summary  # noqa: E402
@@ -475,6 +479,12 @@ def main() -> int:
     ap.add_argument("--cudagraph-mode", default="FULL")
     ap.add_argument("--capture", choices=CAPTURE_SETS, default="default")
     ap.add_argument("--allocator", choices=tuple(ALLOCATORS), default="default")
+    ap.add_argument(
+        "--allocator-trace",
+        metavar="DIR",
+        help="record the allocator's history around each capture_model call into DIR "
+        "(allocator_trace.py; TP=1 only)",
+    )
     ap.add_argument("--workload", choices=workloads.WORKLOADS, default="smoke")
     ap.add_argument("--tight-plan", help="memory_budget.py's plan: its utilization is used")
     ap.add_argument("--load-requests", type=int, default=256)
@@ -501,6 +511,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.tp < 1:
         ap.error("--tp must be at least 1")
+    if args.allocator_trace and args.tp > 1:
+        ap.error("--allocator-trace records in this process: use it at --tp 1")
     preset = SIZES[args.size]
     for key in ("model", "draft", "eagle"):
         if getattr(args, key) is None:
@@ -574,6 +586,15 @@ def main() -> int:
             mem: dict[str, Any] = {}
             result["mem"] = mem
             installed = install_wrappers(mr2.GPUModelRunner, gpu_worker.Worker, torch.cuda, mem)
+            if args.allocator_trace:
+                # Outside the measuring wrapper: recording costs time, not memory.
+                allocator_trace.install(
+                    mr2.GPUModelRunner,
+                    torch.cuda.memory,
+                    torch.cuda.current_device,
+                    args.allocator_trace,
+                )
+                result["allocator_trace"] = args.allocator_trace
 
         # ---- engine ----------------------------------------------------
         with open(os.path.join(args.model, "config.json")) as f:
