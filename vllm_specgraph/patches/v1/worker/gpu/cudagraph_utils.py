@@ -142,7 +142,8 @@ def exact_cudagraph_memory(
         # addresses differ once the KV cache exists. An allocator trace showed the
         # same requests in the same order, one of them served from a free block in
         # production and from a new segment in the profile. With expandable segments
-        # the addresses follow the order of the requests and both passes were exact.
+        # the addresses follow the order of the requests, and the first pass (less
+        # what it left) matched production as exactly as the second.
         logger.info(
             "vllm-specgraph: the first profiling pass took %s and left %.1f MiB with the "
             "process; measuring again with that state in place",
