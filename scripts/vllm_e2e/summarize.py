@@ -49,6 +49,7 @@ import memory_budget  # noqa: E402  (this directory, made importable just above)
 import summarize_load  # noqa: E402
 import summarize_table  # noqa: E402
 import summarize_tight  # noqa: E402
+from results_files import write_json_and_markdown  # noqa: E402
 
 MiB = 1 << 20
 SIZES = ("tiny", "1b")
@@ -737,14 +738,9 @@ def graph_memory_doc(kinds: Kinds, outdir: str, skipped: list[str]) -> dict[str,
 
 
 def write_graph_memory(doc: dict[str, Any], results_dir: str) -> None:
-    os.makedirs(results_dir, exist_ok=True)
-    jpath = os.path.join(results_dir, f"{RESULTS_NAME}.json")
-    mpath = os.path.join(results_dir, f"{RESULTS_NAME}.md")
-    with open(jpath, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    with open(mpath, "w") as f:
-        f.write(summarize_table.markdown(doc))
+    jpath, mpath = write_json_and_markdown(
+        results_dir, RESULTS_NAME, doc, summarize_table.markdown(doc)
+    )
     print(f"wrote {jpath} and {mpath} ({len(doc['rows'])} rows, {len(doc['tight_rows'])} tight)")
 
 

@@ -27,6 +27,8 @@ import os
 import statistics
 from typing import Any
 
+from results_files import markdown_grid, write_json_and_markdown
+
 RESULTS_NAME = "vllm_load"
 SCHEMA = 2
 READABLE_SCHEMAS = (1, 2)
@@ -285,10 +287,8 @@ def markdown(doc: dict[str, Any]) -> str:
         "whose order alternates (off, on; on, off; ...); the timed repeats of every "
         "run of a switch are pooled. Per round: on/off of that round's medians.",
         "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "|".join("---" if i < 2 else "---:" for i in range(len(COLUMNS))) + "|",
     ]
-    out += ["| " + " | ".join(row_cells(row)) + " |" for row in doc["rows"]]
+    out += markdown_grid(COLUMNS, (row_cells(row) for row in doc["rows"]), text_columns=2)
     out += [
         "",
         "Check: every run's greedy tokens, off and on, in every round, are the same; "
@@ -328,12 +328,4 @@ def write(
         "max_slowdown": MAX_SLOWDOWN,
         "rows": rows,
     }
-    os.makedirs(results_dir, exist_ok=True)
-    jpath = os.path.join(results_dir, f"{RESULTS_NAME}.json")
-    mpath = os.path.join(results_dir, f"{RESULTS_NAME}.md")
-    with open(jpath, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    with open(mpath, "w") as f:
-        f.write(markdown(doc))
-    return jpath, mpath
+    return write_json_and_markdown(results_dir, RESULTS_NAME, doc, markdown(doc))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import summarize_tight
+from results_files import markdown_grid
 
 MiB = 1 << 20
 
@@ -174,10 +175,7 @@ def markdown(doc: dict) -> str:
     out.append("")
     out += _group_lines(doc)
     out.append("")
-    out.append("| " + " | ".join(COLUMNS) + " |")
-    out.append("|" + "|".join("---" if i < 3 else "---:" for i in range(len(COLUMNS))) + "|")
-    for row in doc["rows"]:
-        out.append("| " + " | ".join(row_cells(row)) + " |")
+    out += markdown_grid(COLUMNS, (row_cells(row) for row in doc["rows"]), text_columns=3)
     out.append("")
     if doc.get("skipped"):
         out.append(f"Not run (the script's time budget ran out): {', '.join(doc['skipped'])}.")

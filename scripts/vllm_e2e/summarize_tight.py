@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import memory_budget
+from results_files import markdown_grid
 
 MiB = 1 << 20
 SWITCHES = ("off", "on", "noest")
@@ -133,10 +134,8 @@ def markdown_lines(rows: list[dict[str, Any]]) -> list[str]:
         "noest: `VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0` (nothing subtracted "
         "for graphs).",
         "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "|".join("---" if i < 2 else "---:" for i in range(len(COLUMNS))) + "|",
     ]
-    out += ["| " + " | ".join(row_cells(row)) + " |" for row in rows]
+    out += markdown_grid(COLUMNS, (row_cells(row) for row in rows), text_columns=2)
     out += [
         "",
         "Over budget at rest: driver-level bytes the started instance held beyond "
