@@ -50,3 +50,31 @@ def disposable_pass(monkeypatch) -> Callable[[], object]:
     }.items():
         monkeypatch.setattr(torch.cuda, name, fn)
     return disposable_graph_pass
+
+
+@pytest.fixture
+def allocator_conf(monkeypatch) -> dict:
+    """PyTorch's live allocator config, as vLLM's ``alloc_conf`` reads and writes it.
+
+    Faked: writing it needs a CUDA build of torch. ``state["conf"]`` is the live
+    string, ``state["writes"]`` every string written. The environment starts with
+    no allocator config; a test sets one with ``monkeypatch.setenv``.
+    """
+    from vllm.device_allocator import alloc_conf
+
+    for name in alloc_conf.ALLOC_CONF_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    state: dict = {"conf": "", "writes": []}
+
+    def set_alloc_conf(conf: str) -> None:
+        state["conf"] = conf
+        state["writes"].append(conf)
+
+    monkeypatch.setattr(alloc_conf, "set_alloc_conf", set_alloc_conf)
+    monkeypatch.setattr(
+        alloc_conf, "current_alloc_conf", lambda: state["conf"] or alloc_conf.alloc_conf_from_env()
+    )
+    state["expandable"] = lambda: alloc_conf.conf_flag_enabled(
+        state["conf"] or alloc_conf.alloc_conf_from_env(), alloc_conf.EXPANDABLE_SEGMENTS
+    )
+    return state

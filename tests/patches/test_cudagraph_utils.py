@@ -33,7 +33,7 @@ class _Wrapper:
 
 
 @pytest.fixture
-def vllm_env(install_patch, monkeypatch):
+def vllm_env(install_patch, allocator_conf, monkeypatch):
     import vllm.config
     import vllm.v1.worker.gpu.cudagraph_utils as cudagraph_utils
     from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper
@@ -43,7 +43,8 @@ def vllm_env(install_patch, monkeypatch):
     workspace_module = install_patch("vllm.v1.worker.workspace")
     install_patch("vllm.v1.worker.gpu.cudagraph_utils")
     events: list = []
-    state = {"free": 1000 * MIB, "pool": 0, "held": 0}
+    # held: graph-pool bytes; kept: default-pool bytes a capture keeps for good.
+    state = {"free": 1000 * MIB, "pool": 0, "held": 0, "kept": 0, "expandable_in_capture": []}
 
     def graph_pool_handle():
         state["pool"] += 1
@@ -57,7 +58,7 @@ def vllm_env(install_patch, monkeypatch):
         # The graphs' bytes in a graph pool's segment; the default pool's segments
         # (weights, say) stay as they are; another GPU's segments do not count.
         return [
-            {"device": 0, "segment_pool_id": (0, 0), "total_size": 300 * MIB},
+            {"device": 0, "segment_pool_id": (0, 0), "total_size": 300 * MIB + state["kept"]},
             {"device": 0, "segment_pool_id": (0, 99), "total_size": state["held"]},
             {"device": 1, "segment_pool_id": (0, 99), "total_size": 64 * MIB},
         ]
@@ -67,6 +68,7 @@ def vllm_env(install_patch, monkeypatch):
         "empty_cache": empty_cache,
         "mem_get_info": lambda: (state["free"], 2000 * MIB),
         "memory_snapshot": memory_snapshot,
+        "memory_reserved": lambda: 300 * MIB + state["kept"] + state["held"],
         "current_device": lambda: 0,
         "graph_pool_handle": graph_pool_handle,
         "is_current_stream_capturing": lambda: False,
@@ -111,6 +113,14 @@ def vllm_env(install_patch, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu.model_runner", model_runner_module)
     monkeypatch.setattr(cudagraph_utils, "_init_minimal_kv_cache_for_profiling", minimal_kv)
     monkeypatch.setattr(cudagraph_utils, "_teardown_profiling_state", teardown)
+    from vllm.device_allocator import alloc_conf
+
+    set_alloc_conf = alloc_conf.set_alloc_conf  # the allocator_conf fixture's fake
+    monkeypatch.setattr(
+        alloc_conf,
+        "set_alloc_conf",
+        lambda conf: (events.append(("alloc_conf", conf)), set_alloc_conf(conf)),
+    )
     saved_manager = workspace_module._manager
     workspace_module.init_workspace_manager(torch.device("cpu"), 1, 2)
     yield SimpleNamespace(
@@ -123,6 +133,7 @@ def vllm_env(install_patch, monkeypatch):
         lock_workspace=workspace_module.lock_workspace,
         cudagraph_utils=cudagraph_utils,
         model_runner_module=model_runner_module,
+        allocator_conf=allocator_conf,
     )
     workspace_module._manager = saved_manager
 
@@ -150,13 +161,15 @@ class _Speculator:
 
 
 class _Runner:
-    def __init__(self, env, speculator, fail_capture=False, one_time_bytes=0):
+    def __init__(self, env, speculator, fail_capture=False, one_time_bytes=0, kept_bytes=0):
         from vllm.config.compilation import CUDAGraphMode
 
         self.env, self.speculator, self.fail_capture = env, speculator, fail_capture
-        self.one_time_bytes = one_time_bytes  # taken by the first capture, never given back
+        # Taken by the first capture and never given back: outside the allocator,
+        # and in a default-pool segment.
+        self.one_time_bytes, self.kept_bytes = one_time_bytes, kept_bytes
         self.compilation_config = SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL)
-        self.vllm_config = object()
+        self.vllm_config = SimpleNamespace(use_cumem_cudagraph_pool=False)
         record = env.events.append
         self.cudagraph_manager = SimpleNamespace(release_graphs=lambda: record(("release",)))
         self.fast_prefill = object()  # holds the profiling manager, as vLLM's helper does
@@ -171,6 +184,7 @@ class _Runner:
 
         env = self.env
         env.events.append(("capture_model", profile_only, env.platform_cls._global_graph_pool))
+        env.state["expandable_in_capture"].append(env.allocator_conf["expandable"]())
         with env.model_runner_module.freeze_gc_for_cudagraph_capture():
             env.events.append(("gc_enabled_in_capture", gc.isenabled()))
             return self._capture(env)
@@ -178,27 +192,35 @@ class _Runner:
     def _capture(self, env):
         from vllm.compilation.counter import compilation_counter
 
+        # vLLM's figure: driver-level free memory before and after.
+        free_before = env.state["free"]
         env.new_wrapper = _Wrapper(env.platform_cls._global_graph_pool, env.events)
         env.wrappers.add(env.new_wrapper)
         if self.fail_capture:
             raise RuntimeError("target capture failed")
-        env.state["free"] -= 30 * MIB + self.one_time_bytes
+        env.state["free"] -= 30 * MIB + self.one_time_bytes + self.kept_bytes
         env.state["held"] += 30 * MIB
-        taken = 30 * MIB + self.one_time_bytes
-        self.one_time_bytes = 0
+        env.state["kept"] += self.kept_bytes
+        self.one_time_bytes = self.kept_bytes = 0
         compilation_counter.num_cudagraph_captured += 3
         if self.speculator is not None:
             self.speculator.capture()
-            taken += 10 * MIB
         env.lock_workspace()
-        return taken
+        return free_before - env.state["free"]
 
 
-def _runner(env, fail_capture=False, fail_draft=False, one_time_bytes=0, target_one_time_bytes=0):
+def _runner(
+    env,
+    fail_capture=False,
+    fail_draft=False,
+    one_time_bytes=0,
+    target_one_time_bytes=0,
+    target_kept_bytes=0,
+):
     from vllm_specgraph.patches.v1.worker.gpu.model_runner import run_speculator_in_draft_lane
 
     speculator = run_speculator_in_draft_lane(_Speculator(env, fail_draft, one_time_bytes))
-    return _Runner(env, speculator, fail_capture, target_one_time_bytes)
+    return _Runner(env, speculator, fail_capture, target_one_time_bytes, target_kept_bytes)
 
 
 def test_profile_measures_every_graph_per_owner_and_gives_everything_back(vllm_env):
@@ -232,6 +254,13 @@ def test_profile_step_order(vllm_env):
     private = (0, 2)
     steps = [e for e in env.events if e[0] not in ("empty_cache",)]
     assert steps[:4] == [("sync",), ("clear_cublas",), ("blas_handle",), ("minimal_kv", private)]
+    capture_at = steps.index(("capture_model", False, private))
+    on_at = steps.index(("alloc_conf", "expandable_segments:True"))
+    off_at = steps.index(("alloc_conf", "expandable_segments:False"))
+    assert on_at < capture_at < off_at < steps.index(("clear_graphs",)), (
+        "expandable segments for the capture only; back before the graphs are destroyed"
+    )
+    steps = [e for e in steps if e[0] != "alloc_conf"]
     capture_at = steps.index(("capture_model", False, private))
     assert steps[capture_at + 1 : capture_at + 4] == [
         ("gc_enabled_in_capture", False),
@@ -343,6 +372,7 @@ def test_profile_fault_at_each_step_restores_pools_lanes_counters_and_reraises(
     ) == counters
     assert ("clear_cublas",) in env.events[-6:], "teardown ran to the end"
     assert not hasattr(runner, "specgraph_profile")
+    assert not env.allocator_conf["expandable"](), "the allocator config is the user's"
 
 
 @pytest.fixture
@@ -386,20 +416,97 @@ def test_profile_on_a_platform_other_than_cuda_keeps_vllm_estimate(
     assert not any(e[0] == "capture_model" for e in env.events)
 
 
-def test_profile_first_pass_keeps_memory_measures_again_and_budgets_it(vllm_env):
+def _captures(env):
+    return sum(1 for e in env.events if e[0] == "capture_model")
+
+
+def test_profile_one_pass_when_what_it_left_lies_outside_the_allocator(vllm_env, caplog):
+    """Expandable segments on: the first pass's allocator bytes are the graphs, per owner."""
     env = vllm_env
-    runner = _runner(env, one_time_bytes=4 * MIB)
+    runner = _runner(env, one_time_bytes=4 * MIB, target_one_time_bytes=6 * MIB)
+    with caplog.at_level("INFO", logger="vllm.specgraph"):
+        budget = env.cudagraph_utils.profile_cudagraph_memory(runner)
+    outcome = runner.specgraph_profile
+    report = outcome.estimate
+    assert [(o.owner, o.driver_bytes, o.allocator_bytes) for o in report.owners] == [
+        ("target", 30 * MIB, 30 * MIB),
+        ("draft", 10 * MIB, 10 * MIB),
+    ], "the one-time bytes are no owner's graphs"
+    assert (report.one_time_bytes, report.retained_bytes) == (10 * MIB, 0)
+    assert budget == 50 * MIB, "the KV cache is sized after the profile: budget what it kept"
+    assert (_captures(env), outcome.profile_passes) == (1, 1)
+    assert env.state["expandable_in_capture"] == [True]
+    assert outcome.estimate_footprint == CaptureFootprint(40 * MIB, 0, 10 * MIB)
+    [line] = [r.message for r in caplog.records if "memory profile" in r.message]
+    assert "1 pass, expandable segments on" in line
+
+
+def test_profile_measures_again_when_the_first_pass_kept_allocator_memory(vllm_env):
+    """A default-pool segment the first capture keeps is one-time too, but inside the
+    allocator: the first pass's allocator bytes would count it as graphs."""
+    env = vllm_env
+    runner = _runner(env, one_time_bytes=4 * MIB, target_kept_bytes=2 * MIB)
     budget = env.cudagraph_utils.profile_cudagraph_memory(runner)
     report = runner.specgraph_profile.estimate
     assert [(o.owner, o.driver_bytes) for o in report.owners] == [
         ("target", 30 * MIB),
         ("draft", 10 * MIB),
     ], "the second pass measures what production will take"
-    assert (report.one_time_bytes, report.retained_bytes) == (4 * MIB, 0)
-    assert budget == 44 * MIB, "the KV cache is sized after the profile: budget what it kept"
-    assert sum(1 for e in env.events if e[0] == "capture_model") == 2
+    assert (report.one_time_bytes, report.retained_bytes) == (6 * MIB, 0)
+    assert budget == 46 * MIB
+    assert (_captures(env), runner.specgraph_profile.profile_passes) == (2, 2)
     footprint = runner.specgraph_profile.estimate_footprint
     assert footprint == CaptureFootprint(40 * MIB, 0, 0), "the last pass's: graphs only"
+
+
+@pytest.mark.parametrize("blocker", ["user_conf", "cumem_pool", "custom_all_reduce"])
+def test_profile_keeps_the_allocator_setting_where_it_must_and_measures_twice(
+    vllm_env, monkeypatch, caplog, blocker
+):
+    from vllm.distributed import parallel_state
+
+    env = vllm_env
+    runner = _runner(env, one_time_bytes=4 * MIB)
+    reason = {
+        "user_conf": "the allocator config 'max_split_size_mb:512,expandable_segments:False'",
+        "cumem_pool": "sleep-mode cuMem pool",
+        "custom_all_reduce": "the TP group's custom all-reduce registers captured buffers",
+    }[blocker]
+    if blocker == "user_conf":
+        monkeypatch.setenv(
+            "PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512,expandable_segments:False"
+        )
+    if blocker == "cumem_pool":
+        runner.vllm_config.use_cumem_cudagraph_pool = True
+    if blocker == "custom_all_reduce":
+        custom = SimpleNamespace(disabled=False, _capture_registered=True)
+        monkeypatch.setattr(
+            parallel_state,
+            "_TP",
+            SimpleNamespace(device_communicator=SimpleNamespace(ca_comm=custom)),
+        )
+    with caplog.at_level("INFO", logger="vllm.specgraph"):
+        budget = env.cudagraph_utils.profile_cudagraph_memory(runner)
+    assert budget == 44 * MIB
+    assert env.state["expandable_in_capture"] == [False, False]
+    assert env.allocator_conf["writes"] == [], "the allocator config is not touched"
+    outcome = runner.specgraph_profile
+    assert (outcome.profile_passes, outcome.expandable_segments) == (2, False)
+    assert reason in outcome.expandable_segments_blocker
+    [line] = [r.message for r in caplog.records if "memory profile" in r.message]
+    assert f"2 passes, expandable segments off ({outcome.expandable_segments_blocker})" in line
+
+
+def test_profile_with_expandable_segments_set_by_the_user_leaves_them_as_they_are(
+    vllm_env, monkeypatch
+):
+    env = vllm_env
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    runner = _runner(env, one_time_bytes=4 * MIB)
+    assert env.cudagraph_utils.profile_cudagraph_memory(runner) == 44 * MIB
+    assert env.state["expandable_in_capture"] == [True]
+    assert env.allocator_conf["writes"] == []
+    assert runner.specgraph_profile.profile_passes == 1
 
 
 def test_profile_budget_holds_communicator_workspace_made_after_kv_sizing(

@@ -6,6 +6,7 @@ probes that record the lane, because running them needs a GPU and a model.
 
 import importlib
 import inspect
+from types import SimpleNamespace
 
 import pytest
 
@@ -115,10 +116,11 @@ def test_install_model_runner_before_profile_patch_refused():
     assert patches.names == ()
 
 
-def test_production_capture_reports_where_its_bytes_went(monkeypatch, caplog):
+def test_production_capture_reports_where_its_bytes_went(monkeypatch, caplog, allocator_conf):
     """CUDA memory is faked (no GPU here): the capture puts 30 MiB in a graph pool,
     keeps a 2 MiB default-pool segment and loads 6 MiB the allocator does not hold;
-    memory the process takes on another GPU meanwhile does not count."""
+    memory the process takes on another GPU meanwhile does not count. It runs with
+    expandable segments on, as the profile's captures did."""
     import torch
     from vllm.compilation.counter import compilation_counter
 
@@ -132,6 +134,7 @@ def test_production_capture_reports_where_its_bytes_went(monkeypatch, caplog):
         "empty_cache": lambda: None,
         "current_device": lambda: 0,
         "mem_get_info": lambda *args: (state["free"], 2000 * mib),
+        "memory_reserved": lambda *args: state["default"] + state["graph"],
         "memory_snapshot": lambda: [
             {"device": 0, "segment_pool_id": (0, 0), "total_size": state["default"]},
             {"device": 0, "segment_pool_id": (0, 5), "total_size": state["graph"]},
@@ -142,7 +145,10 @@ def test_production_capture_reports_where_its_bytes_went(monkeypatch, caplog):
         monkeypatch.setattr(torch.cuda, name, fn)
 
     class Runner:
+        vllm_config = SimpleNamespace(use_cumem_cudagraph_pool=False)
+
         def capture_model(self, *, profile_only=False):
+            state["expandable_in_capture"] = allocator_conf["expandable"]()
             state["graph"] += 30 * mib
             state["default"] += 2 * mib
             state["free"] -= 38 * mib
@@ -158,35 +164,36 @@ def test_production_capture_reports_where_its_bytes_went(monkeypatch, caplog):
         assert capture_model(runner) == 38 * mib
     outcome = runner.specgraph_profile
     assert outcome.actual_footprint == patch.CaptureFootprint(30 * mib, 2 * mib, 6 * mib)
-    assert [(o.owner, o.driver_bytes) for o in outcome.actual] == [("target", 38 * mib)]
+    assert [(o.owner, o.driver_bytes, o.allocator_bytes) for o in outcome.actual] == [
+        ("target", 38 * mib, 32 * mib)
+    ]
+    assert state["expandable_in_capture"] and not allocator_conf["expandable"]()
     [line] = [r.message for r in caplog.records if "estimate vs actual" in r.message]
     assert line.endswith(
         "; production: graph pools 30.0, default pools 2.0, outside the allocator 6.0 MiB"
     ), line
 
 
+CUSTOM_AR = "the TP group's custom all-reduce registers captured buffers by CUDA IPC"
+
+
 @pytest.mark.parametrize(
-    ("estimate_mib", "actual_mib", "alloc_conf", "warned", "hint"),
+    ("estimate_mib", "actual_mib", "blocker", "warned"),
     [
-        (114, 118, None, True, True),  # 1B with ngram on an H200: 4 MiB, one segment apart
-        (114, 118, "max_split_size_mb:512,expandable_segments:True", True, False),
-        (116, 118, None, False, False),  # 2 MiB: the floor
-        (1009, 1000, None, False, False),  # 0.9 %
-        (1011, 1000, None, True, True),  # 1.1 %
+        (114, 118, CUSTOM_AR, True),  # 1B with ngram on an H200: 4 MiB, one segment apart
+        (114, 118, None, True),
+        (116, 118, CUSTOM_AR, False),  # 2 MiB: the floor
+        (1009, 1000, None, False),  # 0.9 %
+        (1011, 1000, None, True),  # 1.1 %
     ],
 )
-def test_estimate_far_from_production_warns_and_names_the_allocator_setting(
-    monkeypatch, caplog, estimate_mib, actual_mib, alloc_conf, warned, hint
+def test_estimate_far_from_production_warns_and_says_why_segments_were_not_expandable(
+    caplog, estimate_mib, actual_mib, blocker, warned
 ):
     from vllm_specgraph.patches.v1.worker.gpu import model_runner as patch
     from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory
 
     mib = 1 << 20
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    if alloc_conf is None:
-        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    else:
-        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", alloc_conf)
     estimate = GraphMemoryReport(
         (OwnerMemory("target", 51, estimate_mib * mib, 0),), 0, 0, 0, 0, 1.0
     )
@@ -194,6 +201,8 @@ def test_estimate_far_from_production_warns_and_names_the_allocator_setting(
         estimate=estimate,
         capture_wall_seconds=1.0,
         actual=(OwnerMemory("target", 51, actual_mib * mib, 0),),
+        expandable_segments=blocker is None,
+        expandable_segments_blocker=blocker,
     )
     with caplog.at_level("INFO", logger="vllm.specgraph"):
         patch._log_estimate_vs_actual(outcome)
@@ -204,4 +213,5 @@ def test_estimate_far_from_production_warns_and_names_the_allocator_setting(
             f"missed the production capture by {estimate_mib - actual_mib:+.1f} MiB"
             in (warnings[0])
         )
-        assert ("expandable_segments:True" in warnings[0]) == hint, warnings[0]
+        assert ("kept the allocator's setting because" in warnings[0]) == (blocker is not None)
+        assert blocker is None or warnings[0].endswith(blocker), warnings[0]

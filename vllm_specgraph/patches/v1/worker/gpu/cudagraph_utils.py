@@ -12,11 +12,14 @@ workspaces taken (32 MiB per graph manager).
 This patch changes: ``profile_cudagraph_memory`` runs ``capture_model`` over
 every graph production will capture, inside the core's
 :func:`~vllm_specgraph.profile.disposable_graph_pass`, and takes vLLM's own
-measure of it; the draft's share is read around the speculator's capture. A
-pass that leaves memory taken met one-time process state: the budget holds it,
-and the profile measures again with the state in place. One pass costs about
-one production capture: it collects garbage where vLLM's own capture and
-teardown do, and nowhere else.
+measure of it; the draft's share is read around the speculator's capture. Both
+the profile's captures and production's run with expandable segments where the
+allocator allows it (:mod:`vllm_specgraph.patches._capture_allocator`), so both
+pack the same requests alike. A pass that leaves memory taken met one-time
+process state: the budget holds it. If all of it lies outside the allocator,
+the pass's allocator bytes are the graphs; otherwise the profile measures
+again with the state in place. One pass costs about one production capture:
+it collects garbage where vLLM's own capture and teardown do, and nowhere else.
 Teardown, on success and on error: synchronise, destroy every graph (wrappers,
 speculator managers through their own ``init_cudagraph_manager``, the runner's
 profiling state) while the private pool is still the global one, free the
@@ -40,6 +43,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +51,10 @@ import torch
 
 from vllm_specgraph.channels import ChannelPool
 from vllm_specgraph.lanes import LaneWorkspace
+from vllm_specgraph.patches._capture_allocator import (
+    expandable_segments_blocker,
+    expandable_segments_for_capture,
+)
 from vllm_specgraph.patches._patching import PatchSet
 from vllm_specgraph.profile import (
     GraphMemoryReport,
@@ -63,6 +71,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ONE_TIME_THRESHOLD_BYTES",
     "PROFILE_MODES",
+    "ProfileOutcome",
     "budget_bytes",
     "exact_cudagraph_memory",
     "install",
@@ -90,27 +99,40 @@ def profile_mode() -> str:
     return mode
 
 
-def exact_cudagraph_memory(
-    runner: GPUModelRunner,
-) -> tuple[GraphMemoryReport, dict[str, float], CaptureFootprint | None]:
+@dataclass(frozen=True)
+class ProfileOutcome:
+    """What :func:`exact_cudagraph_memory` measured, and how."""
+
+    report: GraphMemoryReport
+    phase_seconds: dict[str, float]
+    footprint: CaptureFootprint | None  # where the last pass's bytes went
+    passes: int
+    expandable_segments: bool  # during the passes' captures
+    expandable_segments_blocker: str | None  # why not, if not
+
+
+def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome:
     """Capture every graph ``runner.capture_model()`` will capture, measure, give it all back.
 
-    Returns the report, the seconds each phase took and where the last pass's
-    bytes went. When the first pass
-    leaves memory taken (more than :data:`ONE_TIME_THRESHOLD_BYTES`), it met
-    process state for the first time: kernel modules loaded on first launch,
+    A pass that leaves memory taken (more than :data:`ONE_TIME_THRESHOLD_BYTES`)
+    met process state for the first time: kernel modules loaded on first launch,
     say, which production, after vLLM's warm-up, will not load again. That
-    remainder is reported as ``one_time_bytes``, and the profile measures a
-    second time, with that state in place, as production will find it. The KV cache is sized
-    after the profile, so the budget (:func:`budget_bytes`) counts the one-time
-    bytes and whatever the last pass left taken (``retained_bytes``).
+    remainder is reported as ``one_time_bytes``. When all of it lies outside the
+    allocator's segments (within the threshold) and the capture ran with
+    expandable segments, whose packing follows the order of requests alone, the
+    pass's allocator bytes are what production will take, per owner, and one
+    pass is enough. Otherwise the profile measures a second time, with that
+    state in place, as production will find it. The KV cache is sized after the
+    profile, so the budget (:func:`budget_bytes`) counts the one-time bytes and
+    whatever the last pass left taken (``retained_bytes``).
 
     *Requires*: called before the KV cache exists and before any graph was
     captured (``Worker.determine_available_memory``); no capture is active.
     *Guarantees*, on success and on error: the runner's KV and graph state is
     torn down as vLLM's own profile leaves it, every graph wrapper and the
     global graph pool hold the production pool, the workspace lanes hold what
-    they held before, and no cuBLAS workspace of a profiling stream is left.
+    they held before, the allocator's config is the user's, and no cuBLAS
+    workspace of a profiling stream is left.
     """
     from vllm.v1.worker.workspace import current_workspace_manager
 
@@ -130,28 +152,34 @@ def exact_cudagraph_memory(
     torch.cuda.empty_cache()
     free_start = torch.cuda.mem_get_info()[0]
     clock.lap("settle")
-    owners, free_after, footprint = _measured_pass(runner, workspace, clock)
-    one_time, retained = 0, free_start - free_after
+    first = _measured_pass(runner, workspace, clock)
+    last, passes = first, 1
+    owners, one_time, retained = first.owners, 0, free_start - first.free_after
     if retained > ONE_TIME_THRESHOLD_BYTES:
         one_time, retained = retained, 0
-        # The first pass's total less what it left is no estimate: on an H200 (1B
-        # model) it missed production by 4 to 24 MiB. A second pass finds the
-        # one-time state in place, as production will, and matched it in most cases.
-        # Production can still land a segment away (1B with ngram: 118 MiB against
-        # 114): the allocator breaks ties between equal free blocks by address, and
-        # addresses differ once the KV cache exists. An allocator trace showed the
-        # same requests in the same order, one of them served from a free block in
-        # production and from a new segment in the profile. With expandable segments
-        # the addresses follow the order of the requests, and the first pass (less
-        # what it left) matched production as exactly as the second.
-        logger.info(
-            "vllm-specgraph: the first profiling pass took %s and left %.1f MiB with the "
-            "process; measuring again with that state in place",
-            _format_owners(owners),
-            one_time / _MIB,
-        )
-        owners, free_end, footprint = _measured_pass(runner, workspace, clock, suffix=" again")
-        retained = free_after - free_end
+        outside_allocator = sum(o.driver_bytes - o.allocator_bytes for o in first.owners)
+        if first.expandable_segments and (
+            abs(outside_allocator - one_time) <= ONE_TIME_THRESHOLD_BYTES
+        ):
+            owners = tuple(replace(o, driver_bytes=o.allocator_bytes) for o in first.owners)
+            logger.info(
+                "vllm-specgraph: the profiling pass left %.1f MiB with the process, all of "
+                "it outside the allocator; its allocator bytes are the graphs: %s",
+                one_time / _MIB,
+                _format_owners(owners),
+            )
+        else:
+            # Without expandable segments the first pass's allocator bytes missed
+            # production on an H200 (1B model) by a segment: a second pass finds
+            # the one-time state in place, as production will.
+            logger.info(
+                "vllm-specgraph: the first profiling pass took %s and left %.1f MiB with the "
+                "process; measuring again with that state in place",
+                _format_owners(first.owners),
+                one_time / _MIB,
+            )
+            last, passes = _measured_pass(runner, workspace, clock, suffix=" again"), 2
+            owners, retained = last.owners, first.free_after - last.free_after
     report = GraphMemoryReport(
         owners=owners,
         one_time_bytes=one_time,
@@ -160,7 +188,14 @@ def exact_cudagraph_memory(
         retained_allocator_bytes=0,
         wall_seconds=clock.total(),
     )
-    return report, clock.phases, footprint
+    return ProfileOutcome(
+        report,
+        clock.phases,
+        last.footprint,
+        passes,
+        last.expandable_segments,
+        expandable_segments_blocker(runner.vllm_config),
+    )
 
 
 def budget_bytes(report: GraphMemoryReport) -> int:
@@ -168,11 +203,19 @@ def budget_bytes(report: GraphMemoryReport) -> int:
     return report.total_driver_bytes + report.one_time_bytes + max(report.retained_bytes, 0)
 
 
+@dataclass(frozen=True)
+class _Pass:
+    owners: tuple[OwnerMemory, ...]
+    free_after: int
+    footprint: CaptureFootprint | None
+    expandable_segments: bool
+
+
 def _measured_pass(
     runner: GPUModelRunner, workspace: LaneWorkspace, clock: _PhaseClock, suffix: str = ""
-) -> tuple[tuple[OwnerMemory, ...], int, CaptureFootprint | None]:
+) -> _Pass:
     """One disposable pass over ``capture_model``: the owners, the free bytes after the
-    pass and where the capture's bytes went."""
+    pass, where the capture's bytes went and whether it ran with expandable segments."""
     from vllm.compilation.counter import compilation_counter
     from vllm.compilation.cudagraph_pool import capture_outside_cumem_pool
     from vllm.config import set_current_vllm_config
@@ -203,6 +246,7 @@ def _measured_pass(
             with (
                 capture_outside_cumem_pool(),
                 _capture_without_closing_collection(),
+                expandable_segments_for_capture(runner.vllm_config) as expandable,
                 metering(CaptureMeter()) as meter,
                 meter.whole_call(),
             ):
@@ -217,7 +261,7 @@ def _measured_pass(
     # The pass ended by settling (its restore steps), so a plain reading will do.
     free_after = torch.cuda.mem_get_info()[0]
     clock.lap("teardown" + suffix)
-    return meter.owners(total, num_graphs), free_after, meter.footprint
+    return _Pass(meter.owners(total, num_graphs), free_after, meter.footprint, expandable)
 
 
 def _group_channel_pools() -> list[ChannelPool]:
@@ -370,16 +414,22 @@ def _profile_cudagraph_memory(upstream: Callable[[Any], int]) -> Callable[[Any],
         )
         from vllm_specgraph.patches.v1.worker.gpu.model_runner import SpecgraphCapture
 
-        report, phases, footprint = exact_cudagraph_memory(runner)
+        outcome = exact_cudagraph_memory(runner)
+        report, phases = outcome.report, outcome.phase_seconds
         runner.specgraph_profile = SpecgraphCapture(
-            estimate=report, phase_seconds=phases, estimate_footprint=footprint
+            estimate=report,
+            phase_seconds=phases,
+            estimate_footprint=outcome.footprint,
+            profile_passes=outcome.passes,
+            expandable_segments=outcome.expandable_segments,
+            expandable_segments_blocker=outcome.expandable_segments_blocker,
         )
         # Communicator workspaces vLLM makes after sizing the KV cache come out of it too.
         after_kv_cache = pcie_ipc.communicator_bytes_after_kv_cache(runner)
         logger.info(
             "vllm-specgraph: CUDA graph memory profile: %s; graphs %.1f MiB in %d graphs; "
             "kept by the process since: one-time %.2f MiB, left by the last pass %.2f MiB; "
-            "budget %.1f MiB%s; %.2f s (%s)",
+            "budget %.1f MiB%s; %d %s, expandable segments %s; %.2f s (%s)",
             _format_owners(report.owners),
             report.total_driver_bytes / _MIB,
             sum(o.num_graphs for o in report.owners),
@@ -392,6 +442,9 @@ def _profile_cudagraph_memory(upstream: Callable[[Any], int]) -> Callable[[Any],
             )
             if after_kv_cache
             else "",
+            outcome.passes,
+            "pass" if outcome.passes == 1 else "passes",
+            "on" if outcome.expandable_segments else f"off ({outcome.expandable_segments_blocker})",
             report.wall_seconds,
             ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in phases.items()),
         )

@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -102,12 +101,15 @@ class CaptureMeter:
 
     Read the way ``capture_model`` reads its own total: synchronise, then
     driver-level free memory, no cache flush, so that the owners add up to
-    vLLM's figure. Owners not measured explicitly get the rest (``target``).
-    :meth:`whole_call` also splits the call's total (``footprint``).
+    vLLM's figure; the allocator's reserved bytes are read alongside. Owners not
+    measured explicitly get the rest (``target``). :meth:`whole_call` measures
+    the call's totals and splits them (``footprint``).
     """
 
     driver_bytes: dict[str, int] = field(default_factory=dict)
+    allocator_bytes: dict[str, int] = field(default_factory=dict)
     num_graphs: dict[str, int] = field(default_factory=dict)
+    allocator_total_bytes: int = 0
     footprint: CaptureFootprint | None = None
 
     @contextmanager
@@ -120,10 +122,12 @@ class CaptureMeter:
         torch.cuda.empty_cache()
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
+        reserved_before = torch.cuda.memory_reserved()
         graph_before, default_before = _segment_bytes()
         yield
         torch.cuda.synchronize()
         taken = free_before - torch.cuda.mem_get_info()[0]
+        self.allocator_total_bytes = torch.cuda.memory_reserved() - reserved_before
         graph_after, default_after = _segment_bytes()
         graph, default = graph_after - graph_before, default_after - default_before
         self.footprint = CaptureFootprint(graph, default, taken - graph - default)
@@ -134,24 +138,30 @@ class CaptureMeter:
 
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
+        reserved_before = torch.cuda.memory_reserved()
         graphs_before = compilation_counter.num_cudagraph_captured
         try:
             yield
         finally:
             torch.cuda.synchronize()
             taken = free_before - torch.cuda.mem_get_info()[0]
+            reserved = torch.cuda.memory_reserved() - reserved_before
             graphs = compilation_counter.num_cudagraph_captured - graphs_before
             self.driver_bytes[owner] = self.driver_bytes.get(owner, 0) + taken
+            self.allocator_bytes[owner] = self.allocator_bytes.get(owner, 0) + reserved
             self.num_graphs[owner] = self.num_graphs.get(owner, 0) + graphs
 
     def owners(self, total_bytes: int, total_graphs: int) -> tuple[OwnerMemory, ...]:
         """``target`` (the rest of the totals) first, then each measured owner."""
-        measured = [OwnerMemory(o, self.num_graphs[o], b, 0) for o, b in self.driver_bytes.items()]
+        measured = [
+            OwnerMemory(o, self.num_graphs[o], b, self.allocator_bytes[o])
+            for o, b in self.driver_bytes.items()
+        ]
         rest = OwnerMemory(
             "target",
             total_graphs - sum(m.num_graphs for m in measured),
             total_bytes - sum(m.driver_bytes for m in measured),
-            0,
+            self.allocator_total_bytes - sum(m.allocator_bytes for m in measured),
         )
         return (rest, *measured)
 
@@ -206,6 +216,9 @@ class SpecgraphCapture:
     actual: tuple[OwnerMemory, ...] | None = None
     estimate_footprint: CaptureFootprint | None = None  # the profile's last pass
     actual_footprint: CaptureFootprint | None = None
+    profile_passes: int = 1
+    expandable_segments: bool = False  # during the profile's and production's captures
+    expandable_segments_blocker: str | None = None  # why not, if not
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -219,6 +232,9 @@ class SpecgraphCapture:
             "capture_wall_seconds": self.capture_wall_seconds,
             "estimate_footprint": _footprint_dict(self.estimate_footprint),
             "actual_footprint": _footprint_dict(self.actual_footprint),
+            "profile_passes": self.profile_passes,
+            "expandable_segments": self.expandable_segments,
+            "expandable_segments_blocker": self.expandable_segments_blocker,
         }
 
 
@@ -254,9 +270,15 @@ def _wrap_capture_model(original: Callable) -> Callable:
             return original(self, profile_only=profile_only)
         from vllm.compilation.counter import compilation_counter
 
+        from vllm_specgraph.patches._capture_allocator import expandable_segments_for_capture
+
         graphs_before = compilation_counter.num_cudagraph_captured
         started = time.perf_counter()
-        with metering(CaptureMeter()) as meter, meter.whole_call():
+        with (
+            expandable_segments_for_capture(self.vllm_config),
+            metering(CaptureMeter()) as meter,
+            meter.whole_call(),
+        ):
             total = original(self, profile_only=profile_only)
         outcome.capture_wall_seconds = time.perf_counter() - started
         outcome.actual = meter.owners(
@@ -312,18 +334,11 @@ def _log_estimate_vs_actual(outcome: SpecgraphCapture) -> None:
             "show where)%s",
             missed / _MIB,
             ""
-            if _expandable_segments()
-            else "; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True grows one segment per "
-            "pool and stream, so addresses follow the order of the requests: with it the "
-            "estimate matched production in every case measured",
+            if outcome.expandable_segments
+            else "; the plugin captures with expandable segments, whose packing follows the "
+            "order of the requests alone, but kept the allocator's setting because "
+            f"{outcome.expandable_segments_blocker}",
         )
-
-
-def _expandable_segments() -> bool:
-    settings = ",".join(
-        os.environ.get(n, "") for n in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-    )
-    return "expandable_segments:true" in settings.replace(" ", "").lower()
 
 
 def install(patches: PatchSet, model_runner: ModuleType) -> None:
