@@ -56,10 +56,12 @@
 #   TIGHT_MARGIN_MIB=              MODE=tight: margin below the free memory (default:
 #                                  computed from the calibration runs)
 #   LOAD_REQUESTS=256 LOAD_REPEATS=2   MODE=load: requests per generate, timed repeats
-#   LOAD_ROUNDS=2                  MODE=load: rounds of a case's switches on its GPU, the
-#                                  order reversed every other round (off on, on off,
-#                                  off on, ...), so that drift over the rounds weighs
-#                                  on both switches alike; the summary pools the rounds
+#   LOAD_ROUNDS=2                  MODE=load: rounds of a case's switches, each round
+#                                  on one GPU, the order reversed every other round
+#                                  (off on, on off, off on, ...), so that drift and
+#                                  the host's load weigh on both switches alike; with
+#                                  several GPUs the rounds run at once; the summary
+#                                  pools the rounds
 #   T_tiny=90 T_1b=150             wall limit of one run (seconds)
 #   T_FIRST_EXTRA=60               added to a run while no run of its size has ended
 #                                  well: Triton JIT, cold caches
@@ -251,13 +253,6 @@ run_one() {
   fi
   if [ "$workload" = load ]; then
     args+=(--load-requests "$LOAD_REQUESTS" --load-repeats "$LOAD_REPEATS" --load-round "$round")
-    # The summary pools every round it finds, so the later rounds of an earlier
-    # invocation with more of them must not stay behind.
-    if [ "$round" = 1 ]; then
-      for stale in "$OUTDIR/$name"-r*; do
-        [[ ${stale#"$OUTDIR/$name"-r} =~ ^[0-9]+$SUFFIX\.(json|log)$ ]] && rm -f "$stale"
-      done
-    fi
     # Round 1 keeps the name of the runs from before rounds existed.
     [ "$round" -gt 1 ] && name+="-r$round"
   fi
@@ -338,8 +333,10 @@ run_jobs() {
 
 # Jobs of one phase: every (size, capture set, case); $1 is the workload, $2 the
 # plugin switches, $3 1 for the tight runs. With $4 = N rounds, the switches of a
-# case form one job (they run on one GPU), N times over, every other round in
-# reverse order (ABBA: off on, on off, ...); else each run is a job of its own.
+# case form one job per round (they run one after the other on one GPU), every
+# other round in reverse order (ABBA: off on, on off, ...), so that with several
+# GPUs the rounds run at once and share the host alike; else each run is a job of
+# its own.
 make_jobs() {
   local size capture case plugin job round order reversed=""
   for plugin in $2; do reversed="$plugin $reversed"; done
@@ -352,13 +349,13 @@ make_jobs() {
           for plugin in $2; do JOBS+=("$size:$case:$plugin:$capture:$1:$3:1"); done
           continue
         fi
-        job=""
         for round in $(seq 1 "$4"); do
           order=$2
           [ $(( round % 2 )) = 0 ] && order=$reversed
+          job=""
           for plugin in $order; do job+="$size:$case:$plugin:$capture:$1:$3:$round "; done
+          JOBS+=("$job")
         done
-        JOBS+=("$job")
       done
     done
   done
@@ -371,6 +368,21 @@ case "$MODE" in
     ;;
   load)
     make_jobs load "$PLUGIN" 0 "$LOAD_ROUNDS"
+    # The summary pools every round it finds, so the later rounds of an earlier
+    # invocation must not stay behind; rounds run at once, so clear them first.
+    for size in $SIZES; do
+      for capture in $CAPTURE; do
+        for case in $CASES; do
+          for plugin in $PLUGIN; do
+            name="$size-$case-$plugin"
+            [ "$capture" = small ] && name+="-small"
+            for stale in "$OUTDIR/$name-load"-r*; do
+              [[ ${stale#"$OUTDIR/$name-load"-r} =~ ^[0-9]+$SUFFIX\.(json|log)$ ]] && rm -f "$stale"
+            done
+          done
+        done
+      done
+    done
     run_jobs
     ;;
   tight)

@@ -10,7 +10,6 @@ inputs, not measurements.
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import json
 import logging
 import math
@@ -1295,7 +1294,7 @@ def _arg(run: dict, name: str) -> str:
     return run["argv"][run["argv"].index(name) + 1]
 
 
-def test_device_script_runs_a_load_case_on_one_gpu(device_script):
+def test_device_script_runs_each_load_round_on_one_gpu_and_rounds_at_once(device_script):
     run, out = device_script
     out.mkdir()
     # A third round of an earlier invocation, and a round of one at TP=2.
@@ -1314,16 +1313,22 @@ def test_device_script_runs_a_load_case_on_one_gpu(device_script):
         for r in ("", "-r2")
     ), done.stdout + done.stderr
     for case in ("base", "draft"):
-        # ABBA: off, on in round 1, on, off in round 2, one after the other on one lane.
-        order = [
-            runs[f"tiny-{case}-{n}"] for n in ("off-load", "on-load", "on-load-r2", "off-load-r2")
+        # ABBA: off, on in round 1, on, off in round 2; a round's runs one after the
+        # other on one lane.
+        rounds = [
+            [runs[f"tiny-{case}-{n}"] for n in ("off-load", "on-load")],
+            [runs[f"tiny-{case}-{n}"] for n in ("on-load-r2", "off-load-r2")],
         ]
-        assert len({r["lane"] for r in order}) == 1
-        assert all(a["end"] <= b["start"] for a, b in itertools.pairwise(order))
-        assert [_arg(r, "--load-round") for r in order] == ["1", "1", "2", "2"]
-        assert [r["load_round"] for r in order] == [1, 1, 2, 2]
-        assert _arg(order[0], "--load-requests") == "8"
-    assert runs["tiny-base-off-load"]["lane"] != runs["tiny-draft-off-load"]["lane"]
+        for number, order in enumerate(rounds, 1):
+            assert len({r["lane"] for r in order}) == 1
+            assert order[0]["end"] <= order[1]["start"]
+            assert [_arg(r, "--load-round") for r in order] == [str(number)] * 2
+            assert [r["load_round"] for r in order] == [number] * 2
+        assert _arg(rounds[0][0], "--load-requests") == "8"
+    # Two lanes: the rounds of a case run at once, one per lane.
+    first, second = runs["tiny-base-off-load"], runs["tiny-base-on-load-r2"]
+    assert first["lane"] != second["lane"]
+    assert second["start"] < first["end"] and first["start"] < second["end"]
     loads = json.loads((out / "bench" / "results" / "vllm_load.json").read_text())["rows"]
     assert [(r["case"], r["runs_off"], r["runs_on"]) for r in loads] == [
         ("base", 2, 2),
@@ -1373,11 +1378,11 @@ def test_device_script_skips_runs_past_the_budget(device_script):
     assert not _runs(out)
     assert (out / "bench" / "results" / "vllm_graph_memory.json").exists(), done.stdout
     run(MODE="load", SIZES="tiny", CASES="base", BUDGET="40")  # each round's runs, one by one
-    assert (out / "skipped.txt").read_text().split() == [
+    assert sorted((out / "skipped.txt").read_text().split()) == [
         "tiny-base-off-load",
+        "tiny-base-off-load-r2",
         "tiny-base-on-load",
         "tiny-base-on-load-r2",
-        "tiny-base-off-load-r2",
     ]
 
 

@@ -284,8 +284,9 @@ def markdown(doc: dict[str, Any]) -> str:
         "`max_model_len / 4`) after a warm-up generate; only `generate()` is timed, "
         "repeated; acceptance is vLLM's spec-decode counters over the timed repeats. "
         "Off and on of one case run one after the other on the same GPU, in rounds "
-        "whose order alternates (off, on; on, off; ...); the timed repeats of every "
-        "run of a switch are pooled. Per round: on/off of that round's medians.",
+        "whose order alternates (off, on; on, off; ...); with several GPUs the rounds "
+        "run at once, one per GPU. The timed repeats of every run of a switch are "
+        "pooled. Per round: on/off of that round's medians.",
         "",
     ]
     out += markdown_grid(COLUMNS, (row_cells(row) for row in doc["rows"]), text_columns=2)
