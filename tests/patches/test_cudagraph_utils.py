@@ -433,6 +433,7 @@ def test_profile_one_pass_when_what_it_left_lies_outside_the_allocator(vllm_env,
         ("draft", 10 * MIB, 10 * MIB),
     ], "the one-time bytes are no owner's graphs"
     assert (report.one_time_bytes, report.retained_bytes) == (10 * MIB, 0)
+    assert report.retained_allocator_bytes == 0
     assert budget == 50 * MIB, "the KV cache is sized after the profile: budget what it kept"
     assert (_captures(env), outcome.profile_passes) == (1, 1)
     assert env.state["expandable_in_capture"] == [True]
@@ -453,6 +454,7 @@ def test_profile_measures_again_when_the_first_pass_kept_allocator_memory(vllm_e
         ("draft", 10 * MIB),
     ], "the second pass measures what production will take"
     assert (report.one_time_bytes, report.retained_bytes) == (6 * MIB, 0)
+    assert report.retained_allocator_bytes == 2 * MIB, "the kept segment"
     assert budget == 46 * MIB
     assert (_captures(env), runner.specgraph_profile.profile_passes) == (2, 2)
     footprint = runner.specgraph_profile.estimate_footprint

@@ -150,7 +150,7 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome:
     torch.cuda.synchronize()
     release_capture_stream_workspaces()
     torch.cuda.empty_cache()
-    free_start = torch.cuda.mem_get_info()[0]
+    free_start, reserved_start = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
     clock.lap("settle")
     first = _measured_pass(runner, workspace, clock)
     last, passes = first, 1
@@ -185,7 +185,8 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome:
         one_time_bytes=one_time,
         transient_peak_bytes=0,
         retained_bytes=retained,
-        retained_allocator_bytes=0,
+        # Of all the profile kept (one-time and retained), what the allocator holds.
+        retained_allocator_bytes=torch.cuda.memory_reserved() - reserved_start,
         wall_seconds=clock.total(),
     )
     return ProfileOutcome(
