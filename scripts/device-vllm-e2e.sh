@@ -233,6 +233,12 @@ lane_gpu_processes() {
   nvidia-smi --query-compute-apps=gpu_uuid --format=csv,noheader 2>/dev/null | grep -c -F "${pattern[@]}"
 }
 
+run_stem() {  # size case plugin capture: SIZE-CASE-PLUGIN[-small], where a run's name starts
+  local stem="$1-$2-$3"
+  [ "$4" = small ] && stem+="-small"
+  echo "$stem"
+}
+
 plan_file() {  # size case capture
   local small=""
   [ "$3" = small ] && small="-small"
@@ -243,8 +249,8 @@ plan_file() {  # size case capture
 run_one() {
   local lane_index=$1 lane=${LANES[$1]} size case plugin capture workload tight round stale
   IFS=: read -r size case plugin capture workload tight round <<< "$2"
-  local name="$size-$case-$plugin" args=(--capture "$capture" --workload "$workload")
-  [ "$capture" = small ] && name+="-small"
+  local name args=(--capture "$capture" --workload "$workload")
+  name=$(run_stem "$size" "$case" "$plugin" "$capture")
   if [ "$tight" = 1 ]; then
     name+="-tight"
     args+=(--tight-plan "$(plan_file "$size" "$case" "$capture")")
@@ -374,8 +380,7 @@ case "$MODE" in
       for capture in $CAPTURE; do
         for case in $CASES; do
           for plugin in $PLUGIN; do
-            name="$size-$case-$plugin"
-            [ "$capture" = small ] && name+="-small"
+            name="$(run_stem "$size" "$case" "$plugin" "$capture")"
             for stale in "$OUTDIR/$name-load"-r*; do
               [[ ${stale#"$OUTDIR/$name-load"-r} =~ ^[0-9]+$SUFFIX\.(json|log)$ ]] && rm -f "$stale"
             done

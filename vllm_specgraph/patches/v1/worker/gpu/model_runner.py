@@ -73,6 +73,10 @@ class CaptureFootprint:
     default_pool_bytes: int
     outside_allocator_bytes: int
 
+    @property
+    def allocator_bytes(self) -> int:
+        return self.graph_pool_bytes + self.default_pool_bytes
+
     def describe(self) -> str:
         return (
             f"graph pools {self.graph_pool_bytes / _MIB:.1f}, default pools "
@@ -109,7 +113,6 @@ class CaptureMeter:
     driver_bytes: dict[str, int] = field(default_factory=dict)
     allocator_bytes: dict[str, int] = field(default_factory=dict)
     num_graphs: dict[str, int] = field(default_factory=dict)
-    allocator_total_bytes: int = 0
     footprint: CaptureFootprint | None = None
 
     @contextmanager
@@ -122,12 +125,10 @@ class CaptureMeter:
         torch.cuda.empty_cache()
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
-        reserved_before = torch.cuda.memory_reserved()
         graph_before, default_before = _segment_bytes()
         yield
         torch.cuda.synchronize()
         taken = free_before - torch.cuda.mem_get_info()[0]
-        self.allocator_total_bytes = torch.cuda.memory_reserved() - reserved_before
         graph_after, default_after = _segment_bytes()
         graph, default = graph_after - graph_before, default_after - default_before
         self.footprint = CaptureFootprint(graph, default, taken - graph - default)
@@ -152,7 +153,10 @@ class CaptureMeter:
             self.num_graphs[owner] = self.num_graphs.get(owner, 0) + graphs
 
     def owners(self, total_bytes: int, total_graphs: int) -> tuple[OwnerMemory, ...]:
-        """``target`` (the rest of the totals) first, then each measured owner."""
+        """``target`` (the rest of the totals) first, then each measured owner.
+
+        *Requires*: the call was measured with :meth:`whole_call`.
+        """
         measured = [
             OwnerMemory(o, self.num_graphs[o], b, self.allocator_bytes[o])
             for o, b in self.driver_bytes.items()
@@ -161,7 +165,7 @@ class CaptureMeter:
             "target",
             total_graphs - sum(m.num_graphs for m in measured),
             total_bytes - sum(m.driver_bytes for m in measured),
-            self.allocator_total_bytes - sum(m.allocator_bytes for m in measured),
+            self.footprint.allocator_bytes - sum(m.allocator_bytes for m in measured),
         )
         return (rest, *measured)
 
