@@ -39,7 +39,7 @@ class _FakeGraph:
 def cuda(monkeypatch):
     """Fake CUDA: each graph costs 10 MiB of driver memory until empty_cache after reset."""
     events: list = []
-    state = {"free": 1000 << 20, "live_graphs": 0, "dead_graphs": 0, "pool": 0}
+    state = {"free": 1000 << 20, "live_graphs": 0, "dead_graphs": 0, "pool": 0, "segments": list}
     cuda_ns = torch.cuda
 
     def empty_cache():
@@ -79,6 +79,9 @@ def cuda(monkeypatch):
         "max_memory_reserved": lambda: 0,
         "reset_peak_memory_stats": lambda: None,
         "graph_pool_handle": graph_pool_handle,
+        "current_device": lambda: 0,
+        # The allocator's segments; a test that needs some sets state["segments"].
+        "memory_snapshot": lambda: state["segments"](),
     }.items():
         monkeypatch.setattr(cuda_ns, name, fn)
     monkeypatch.setattr(capture_module.torch.cuda, "CUDAGraph", Graph)
@@ -288,21 +291,74 @@ def test_disposable_graph_pass_order_redirect_exits_after_destroy_before_release
     assert not workspace.is_locked(), "the pass restores the lock state"
 
 
-@pytest.mark.parametrize("collect_garbage", [True, False])
-def test_disposable_graph_pass_collects_garbage_unless_a_destroy_step_does(
-    cuda, monkeypatch, collect_garbage
-):
+class _Cycle:
+    """Garbage only a collection frees: it refers to itself."""
+
+    def __init__(self, payload: object = None) -> None:
+        self.me, self.payload = self, payload
+
+
+def test_disposable_graph_pass_collections_visit_only_what_the_pass_made(cuda):
     import gc
+    import weakref
 
     from vllm_specgraph.profile import disposable_graph_pass
 
     events, _ = cuda
-    monkeypatch.setattr(gc, "collect", lambda *a: events.append(("gc",)))
-    with disposable_graph_pass(collect_garbage=collect_garbage) as disposable:
+    older = weakref.ref(_Cycle())
+    with disposable_graph_pass() as disposable:
+        assert gc.get_freeze_count() > 0, "every older object is frozen for the pass"
+        made = weakref.ref(_Cycle())
+        gc.collect()
+        assert made() is None, "garbage the pass made is collected"
+        assert older() is not None, "an older object is not visited"
         disposable.on_destroy(lambda: events.append(("destroy",)))
+    assert gc.get_freeze_count() == 0, "the heap is thawed"
     release = events[events.index(("destroy",)) + 1 :]
-    expected = [("sync",), ("empty_cache",)]
-    assert release == ([("gc",)] if collect_garbage else []) + expected
+    assert release == [("sync",), ("empty_cache",)], "collect, then give the pool back"
+    gc.collect()
+    assert older() is None
+
+
+def test_disposable_graph_pass_collects_the_whole_heap_when_its_pool_keeps_a_segment(cuda):
+    """An object older than the pass, in a reference cycle, holds a pool tensor."""
+    import gc
+    import weakref
+
+    from vllm_specgraph.profile import disposable_graph_pass
+
+    events, state = cuda
+    holder = _Cycle()
+    with disposable_graph_pass() as disposable:
+        output = torch.empty(0)  # stands for a static output in the pool
+        holder.payload, in_pool = output, weakref.ref(output)
+        del holder, output
+        state["segments"] = lambda: (
+            [{"device": 0, "segment_pool_id": disposable.pool, "blocks": []}]
+            if in_pool() is not None
+            else []
+        )
+    assert in_pool() is None, "the whole heap was collected"
+    assert events[-2:] == [("empty_cache",), ("empty_cache",)], "and the pool given back"
+    assert gc.get_freeze_count() == 0
+
+
+def test_disposable_graph_pass_freezes_also_when_the_heap_was_frozen_before(cuda):
+    """Objects made after an earlier freeze are older than the pass: frozen too."""
+    import gc
+    import weakref
+
+    from vllm_specgraph.profile import disposable_graph_pass
+
+    gc.freeze()
+    try:
+        older = weakref.ref(_Cycle())
+        with disposable_graph_pass():
+            gc.collect()
+            assert older() is not None, "an older object is not visited"
+        assert gc.get_freeze_count() == 0, "left thawed, as vLLM's capture leaves it"
+    finally:
+        gc.unfreeze()
 
 
 def test_disposable_graph_pass_failing_destroy_step_still_restores_then_raises(cuda):

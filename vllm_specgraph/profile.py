@@ -17,6 +17,10 @@ Order (each step's reason is at the step):
    the lanes and production pools; release the pool (empty_cache);
 6. roll back channels; measure what is left.
 
+Steps 3-6 run with every older object frozen out of garbage collection, so a
+collection there visits only what the pass made: milliseconds where a full one
+takes about half a second in a served model's process.
+
 An exception at any step runs the same teardown and re-raises the original.
 """
 
@@ -48,6 +52,7 @@ __all__ = [
     "OwnerMemory",
     "current_disposable_pass",
     "disposable_graph_pass",
+    "live_blocks",
     "measure_captures",
     "profile_graph_memory",
     "release_capture_stream_workspaces",
@@ -146,9 +151,68 @@ def settled_free_bytes() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
-def _release_cached_blocks() -> None:
+def live_blocks() -> frozenset[tuple[int, int]]:
+    """``(address, size)`` of every allocated block of the caching allocator on this device.
+
+    Two readings tell which blocks were made in between and are still alive.
+    Reads the allocator's snapshot: about a millisecond, legal during capture.
+    """
+    device = torch.cuda.current_device()
+    return frozenset(
+        (block["address"], block["size"])
+        for segment in torch.cuda.memory_snapshot()
+        if segment.get("device", device) == device
+        for block in segment["blocks"]
+        if block["state"] == "active_allocated"
+    )
+
+
+def _pool_holds_segments(pool: tuple[int, int]) -> bool:
+    device = torch.cuda.current_device()
+    return any(
+        segment.get("device", device) == device
+        and tuple(segment.get("segment_pool_id", ())) == tuple(pool)
+        for segment in torch.cuda.memory_snapshot()
+    )
+
+
+@contextmanager
+def _older_objects_frozen() -> Iterator[Callable[[], None]]:
+    """Leave every object that exists now out of garbage collection until the block exits.
+
+    Yields ``thaw``, which ends the freeze early. ``gc.unfreeze`` thaws every
+    frozen object: a heap frozen before the block comes out thawed, as vLLM's
+    own capture-time freeze leaves it.
+    """
+    gc.freeze()
+    frozen = True
+
+    def thaw() -> None:
+        nonlocal frozen
+        if frozen:
+            gc.unfreeze()
+            frozen = False
+
+    try:
+        yield thaw
+    finally:
+        thaw()
+
+
+def _release_pool(pools: Sequence[tuple[int, int]], thaw: Callable[[], None]) -> None:
+    """Collect what the pass made, then give its pool's memory back to the driver.
+
+    An object older than the pass may still hold a pool tensor through a
+    reference cycle that only a collection of the whole heap finds: if a pool
+    keeps a segment, thaw and collect everything once.
+    """
+    gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+    if any(_pool_holds_segments(pool) for pool in pools):
+        thaw()
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def release_capture_stream_workspaces() -> None:
@@ -241,54 +305,59 @@ def disposable_graph_pass(
     channel_pools: Sequence[ChannelPool] = (),
     workspace: LaneWorkspace | None = None,
     redirect_pools: PoolRedirect | None = None,
-    collect_garbage: bool = True,
 ) -> Iterator[DisposablePass]:
     """Capture into a private pool that is given back whole when the block exits.
 
-    On entry: checkpoint ``channel_pools`` and ``workspace``, make a private
-    pool, make the pass :func:`current_disposable_pass`, enter
+    On entry: checkpoint ``channel_pools`` and ``workspace``, freeze every
+    object that exists, make a private pool, make the pass :func:`current_disposable_pass`, enter
     ``redirect_pools(pool)``. On exit, on success and on error alike:
     synchronise and run the destroy steps while the pool is still owned, exit
     the redirect (production pools back), roll the lanes back (growth since may
     live in the pool), collect garbage (reference cycles may still hold pool
-    tensors), release the pool (empty the cache), roll the channels back (their
-    contract: every graph using them is destroyed and synchronised). An error
-    in the block is re-raised with any teardown failures as notes. Pass
-    ``collect_garbage=False`` when a destroy step collects after the last
-    reference into the pool is dropped: a full collection takes a fraction of a
-    second in a large process.
+    tensors), release the pool (empty the cache), thaw, roll the channels back
+    (their contract: every graph using them is destroyed and synchronised). An
+    error in the block is re-raised with any teardown failures as notes.
 
-    *Requires*: no capture is active. *Guarantees*: channels, lanes (buffers and
-    lock state) and the redirected pools are left as they were found.
+    The freeze keeps every collection in the pass, the block's and the destroy
+    steps' included, to what the pass made. The pass checks that the pool kept
+    no segment, and collects the whole heap once if it did.
+
+    *Requires*: no capture is active; nothing in the block unfreezes the heap.
+    *Guarantees*: channels, lanes (buffers and lock state) and the redirected
+    pools are left as they were found; the heap is left thawed.
     """
     channels_checkpoint = checkpoint_channel_pools(channel_pools)
-    restore: list[Step] = []
-    if workspace is not None:
-        lanes_checkpoint = workspace.checkpoint()
-        restore.append(lambda: workspace.rollback(lanes_checkpoint))
-    restore += [
-        settled_free_bytes if collect_garbage else _release_cached_blocks,
-        lambda: rollback_channel_pools(channels_checkpoint),
-    ]
-    try:
-        disposable = DisposablePass(torch.cuda.graph_pool_handle())
-        with (
-            _marked_active(disposable),
-            redirect_pools(disposable.pool) if redirect_pools else nullcontext(),
-        ):
-            try:
-                yield disposable
-            except BaseException as exc:
-                disposable._destroy(exc)
-                raise
-            disposable._destroy()
-    except BaseException as exc:
-        # The traceback's frames hold the failed capture's tensors, which live in
-        # the private pool: clear them or the pool cannot go back to the driver.
-        traceback.clear_frames(exc.__traceback__)
-        _tear_down(restore, exc)
-        raise
-    _tear_down(restore)
+    with _older_objects_frozen() as thaw:
+        restore: list[Step] = []
+        if workspace is not None:
+            lanes_checkpoint = workspace.checkpoint()
+            restore.append(lambda: workspace.rollback(lanes_checkpoint))
+        pools: list[tuple[int, int]] = []
+        restore += [
+            lambda: _release_pool(pools, thaw),
+            thaw,
+            lambda: rollback_channel_pools(channels_checkpoint),
+        ]
+        try:
+            disposable = DisposablePass(torch.cuda.graph_pool_handle())
+            pools.append(disposable.pool)
+            with (
+                _marked_active(disposable),
+                redirect_pools(disposable.pool) if redirect_pools else nullcontext(),
+            ):
+                try:
+                    yield disposable
+                except BaseException as exc:
+                    disposable._destroy(exc)
+                    raise
+                disposable._destroy()
+        except BaseException as exc:
+            # The traceback's frames hold the failed capture's tensors, which live in
+            # the private pool: clear them or the pool cannot go back to the driver.
+            traceback.clear_frames(exc.__traceback__)
+            _tear_down(restore, exc)
+            raise
+        _tear_down(restore)
 
 
 def profile_graph_memory(

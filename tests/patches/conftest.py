@@ -36,7 +36,7 @@ def disposable_pass(monkeypatch) -> Callable[[], object]:
     """The core's ``disposable_graph_pass``, as the profile patch enters it.
 
     The CUDA calls the pass makes (pool handle, synchronise, cache release, free
-    memory) are faked: this machine has no GPU.
+    memory, the allocator's segments) are faked: this machine has no GPU.
     """
     import torch
 
@@ -47,6 +47,8 @@ def disposable_pass(monkeypatch) -> Callable[[], object]:
         "synchronize": lambda *args: None,
         "empty_cache": lambda: None,
         "mem_get_info": lambda *args: (1 << 30, 2 << 30),
+        "current_device": lambda: 0,
+        "memory_snapshot": lambda: [],
     }.items():
         monkeypatch.setattr(torch.cuda, name, fn)
     return disposable_graph_pass

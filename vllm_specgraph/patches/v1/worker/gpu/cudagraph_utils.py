@@ -16,10 +16,12 @@ measure of it; the draft's share is read around the speculator's capture. Both
 the profile's captures and production's run with expandable segments where the
 allocator allows it (:mod:`vllm_specgraph.patches._capture_allocator`), so both
 pack the same requests alike. A pass that leaves memory taken met one-time
-process state: the budget holds it. If all of it lies outside the allocator,
-the pass's allocator bytes are the graphs; otherwise the profile measures
-again with the state in place. One pass costs about one production capture:
-it collects garbage where vLLM's own capture and teardown do, and nowhere else.
+process state: the budget holds it. If it is all outside the allocator or in
+blocks made before the capture began, the pass's allocator bytes are the
+graphs; otherwise the profile measures again with the state in place. One pass
+costs less than the production capture: the pass freezes every older object
+out of garbage collection, so the collections vLLM's capture and teardown make
+visit only what the pass made.
 Teardown, on success and on error: synchronise, destroy every graph (wrappers,
 speculator managers through their own ``init_cudagraph_manager``, the runner's
 profiling state) while the private pool is still the global one, free the
@@ -60,6 +62,7 @@ from vllm_specgraph.profile import (
     GraphMemoryReport,
     OwnerMemory,
     disposable_graph_pass,
+    live_blocks,
     release_capture_stream_workspaces,
 )
 
@@ -117,12 +120,14 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome:
     A pass that leaves memory taken (more than :data:`ONE_TIME_THRESHOLD_BYTES`)
     met process state for the first time: kernel modules loaded on first launch,
     say, which production, after vLLM's warm-up, will not load again. That
-    remainder is reported as ``one_time_bytes``. When all of it lies outside the
-    allocator's segments (within the threshold) and the capture ran with
-    expandable segments, whose packing follows the order of requests alone, the
-    pass's allocator bytes are what production will take, per owner, and one
-    pass is enough. Otherwise the profile measures a second time, with that
-    state in place, as production will find it. The KV cache is sized after the
+    remainder is reported as ``one_time_bytes``. One pass is enough when the
+    capture ran with expandable segments, whose packing follows the order of
+    requests alone, and the remainder is, within the threshold, the owners'
+    bytes outside the allocator plus allocator blocks made before capturing
+    (the speculator's attention state for the profiling KV cache, say): then
+    no block a capture made was kept, and each owner's allocator bytes are
+    what production will take. Otherwise the profile measures a second time,
+    with that state in place, as production will find it. The KV cache is sized after the
     profile, so the budget (:func:`budget_bytes`) counts the one-time bytes and
     whatever the last pass left taken (``retained_bytes``).
 
@@ -151,6 +156,7 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome:
     release_capture_stream_workspaces()
     torch.cuda.empty_cache()
     free_start, reserved_start = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
+    blocks_start = live_blocks()
     clock.lap("settle")
     first = _measured_pass(runner, workspace, clock)
     last, passes = first, 1
@@ -158,14 +164,21 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome:
     if retained > ONE_TIME_THRESHOLD_BYTES:
         one_time, retained = retained, 0
         outside_allocator = sum(o.driver_bytes - o.allocator_bytes for o in first.owners)
-        if first.expandable_segments and (
-            abs(outside_allocator - one_time) <= ONE_TIME_THRESHOLD_BYTES
+        in_allocator = torch.cuda.memory_reserved() - reserved_start
+        made_while_capturing = live_blocks() - blocks_start - first.blocks_before_capture
+        if (
+            first.expandable_segments
+            and not made_while_capturing
+            and abs(outside_allocator + in_allocator - one_time) <= ONE_TIME_THRESHOLD_BYTES
         ):
             owners = tuple(replace(o, driver_bytes=o.allocator_bytes) for o in first.owners)
             logger.info(
-                "vllm-specgraph: the profiling pass left %.1f MiB with the process, all of "
-                "it outside the allocator; its allocator bytes are the graphs: %s",
+                "vllm-specgraph: the profiling pass left %.1f MiB with the process: %.1f MiB "
+                "outside the allocator and %.1f MiB of blocks made before capturing; its "
+                "allocator bytes are the graphs: %s",
                 one_time / _MIB,
+                outside_allocator / _MIB,
+                in_allocator / _MIB,
                 _format_owners(owners),
             )
         else:
@@ -210,13 +223,15 @@ class _Pass:
     free_after: int
     footprint: CaptureFootprint | None
     expandable_segments: bool
+    blocks_before_capture: frozenset[tuple[int, int]]
 
 
 def _measured_pass(
     runner: GPUModelRunner, workspace: LaneWorkspace, clock: _PhaseClock, suffix: str = ""
 ) -> _Pass:
     """One disposable pass over ``capture_model``: the owners, the free bytes after the
-    pass, where the capture's bytes went and whether it ran with expandable segments."""
+    pass, where the capture's bytes went, whether it ran with expandable segments and
+    the allocator's blocks when the capture began."""
     from vllm.compilation.counter import compilation_counter
     from vllm.compilation.cudagraph_pool import capture_outside_cumem_pool
     from vllm.config import set_current_vllm_config
@@ -229,24 +244,22 @@ def _measured_pass(
         compilation_counter.num_gpu_runner_capture_triggers,
     )
     try:
-        # vLLM's teardown (the first destroy step) collects garbage once the
-        # graphs are dropped; the pass need not collect again.
         with disposable_graph_pass(
             channel_pools=_group_channel_pools(),
             workspace=workspace,
             redirect_pools=_pools_redirected,
-            collect_garbage=False,
         ) as disposable:
             disposable.on_destroy(lambda: _destroy_profiling_graphs(runner))
             disposable.on_destroy(release_capture_stream_workspaces)
             with set_current_vllm_config(runner.vllm_config):
                 _init_minimal_kv_cache_for_profiling(runner)
             clock.lap("minimal KV cache" + suffix)
+            blocks_before_capture = live_blocks()
             # Production's own path, adaptive-verification runs and lock included
             # (the pass restores the lock): what it measures is what production does.
             with (
                 capture_outside_cumem_pool(),
-                _capture_without_closing_collection(),
+                _capture_in_frozen_pass(),
                 expandable_segments_for_capture(runner.vllm_config) as expandable,
                 metering(CaptureMeter()) as meter,
                 meter.whole_call(),
@@ -262,7 +275,13 @@ def _measured_pass(
     # The pass ended by settling (its restore steps), so a plain reading will do.
     free_after = torch.cuda.mem_get_info()[0]
     clock.lap("teardown" + suffix)
-    return _Pass(meter.owners(total, num_graphs), free_after, meter.footprint, expandable)
+    return _Pass(
+        meter.owners(total, num_graphs),
+        free_after,
+        meter.footprint,
+        expandable,
+        blocks_before_capture,
+    )
 
 
 def _group_channel_pools() -> list[ChannelPool]:
@@ -283,12 +302,16 @@ def _group_channel_pools() -> list[ChannelPool]:
 
 
 @contextmanager
-def _capture_without_closing_collection() -> Iterator[None]:
-    """Run ``capture_model`` under vLLM's capture-time gc freeze, minus its closing collection.
+def _capture_in_frozen_pass() -> Iterator[None]:
+    """Run ``capture_model`` with vLLM's capture-time gc handling, fitted to the pass.
 
-    The pass's teardown collects once the graphs are dropped, when a collection
-    can free pool memory; one in between only costs time (a fraction of a
-    second in a served model's process).
+    vLLM collects, freezes the heap and turns collection off for the capture,
+    then thaws everything and collects again. The disposable pass has frozen
+    every older object already: a thaw here would make each later collection
+    visit the whole heap again (about half a second each in a served model's
+    process). So: collect what the pass made, turn collection off as vLLM does,
+    and leave the closing collection to the pass's teardown, where it can free
+    pool memory.
     """
     from vllm import envs
 
@@ -296,23 +319,19 @@ def _capture_without_closing_collection() -> Iterator[None]:
     model_runner = sys.modules["vllm.v1.worker.gpu.model_runner"]
 
     @contextmanager
-    def frozen_without_closing_collection() -> Iterator[None]:
+    def collection_off() -> Iterator[None]:
         enabled = gc.isenabled()
         gc.collect()
-        freeze = not envs.VLLM_ENABLE_CUDAGRAPH_GC
-        if freeze:
-            gc.freeze()
+        if not envs.VLLM_ENABLE_CUDAGRAPH_GC:
             gc.disable()
         try:
             yield
         finally:
-            if freeze:
-                gc.unfreeze()
-                if enabled:
-                    gc.enable()
+            if enabled:
+                gc.enable()
 
     production = model_runner.freeze_gc_for_cudagraph_capture
-    model_runner.freeze_gc_for_cudagraph_capture = frozen_without_closing_collection
+    model_runner.freeze_gc_for_cudagraph_capture = collection_off
     try:
         yield
     finally:
