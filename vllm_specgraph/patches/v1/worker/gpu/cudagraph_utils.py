@@ -19,9 +19,9 @@ pack the same requests alike. A pass that leaves memory taken met one-time
 process state: the budget holds it. If it is all outside the allocator or in
 blocks made before the capture began, the pass's allocator bytes are the
 graphs; otherwise the profile measures again with the state in place. One pass
-costs less than the production capture: the pass freezes every older object
-out of garbage collection, so the collections vLLM's capture and teardown make
-visit only what the pass made.
+costs about one production capture, the process's first-launch work included:
+the pass freezes every older object out of garbage collection, so the
+collections vLLM's capture and teardown make visit only what the pass made.
 Teardown, on success and on error: synchronise, destroy every graph (wrappers,
 speculator managers through their own ``init_cudagraph_manager``, the runner's
 profiling state) while the private pool is still the global one, free the
@@ -127,9 +127,9 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome:
     (the speculator's attention state for the profiling KV cache, say): then
     no block a capture made was kept, and each owner's allocator bytes are
     what production will take. Otherwise the profile measures a second time,
-    with that state in place, as production will find it. The KV cache is sized after the
-    profile, so the budget (:func:`budget_bytes`) counts the one-time bytes and
-    whatever the last pass left taken (``retained_bytes``).
+    with that state in place, as production will find it. The KV cache is
+    sized after the profile, so the budget (:func:`budget_bytes`) counts the
+    one-time bytes and whatever the last pass left taken (``retained_bytes``).
 
     *Requires*: called before the KV cache exists and before any graph was
     captured (``Worker.determine_available_memory``); no capture is active.
