@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -50,6 +51,7 @@ __all__ = [
     "GraphMemoryReport",
     "OwnerGraphs",
     "OwnerMemory",
+    "allocator_segments",
     "current_disposable_pass",
     "disposable_graph_pass",
     "live_blocks",
@@ -151,28 +153,25 @@ def settled_free_bytes() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
+def allocator_segments() -> list[dict[str, Any]]:
+    """This device's segments in the caching allocator's snapshot, with their blocks.
+
+    About a millisecond; legal during capture.
+    """
+    device = torch.cuda.current_device()
+    return [s for s in torch.cuda.memory_snapshot() if s.get("device", device) == device]
+
+
 def live_blocks() -> frozenset[tuple[int, int]]:
     """``(address, size)`` of every allocated block of the caching allocator on this device.
 
     Two readings tell which blocks were made in between and are still alive.
-    Reads the allocator's snapshot: about a millisecond, legal during capture.
     """
-    device = torch.cuda.current_device()
     return frozenset(
         (block["address"], block["size"])
-        for segment in torch.cuda.memory_snapshot()
-        if segment.get("device", device) == device
+        for segment in allocator_segments()
         for block in segment["blocks"]
         if block["state"] == "active_allocated"
-    )
-
-
-def _pool_holds_segments(pool: tuple[int, int]) -> bool:
-    device = torch.cuda.current_device()
-    return any(
-        segment.get("device", device) == device
-        and tuple(segment.get("segment_pool_id", ())) == tuple(pool)
-        for segment in torch.cuda.memory_snapshot()
     )
 
 
@@ -199,17 +198,17 @@ def _older_objects_frozen() -> Iterator[Callable[[], None]]:
         thaw()
 
 
-def _release_pool(pools: Sequence[tuple[int, int]], thaw: Callable[[], None]) -> None:
-    """Collect what the pass made, then give its pool's memory back to the driver.
+def _release_pool(pool: tuple[int, int], thaw: Callable[[], None]) -> None:
+    """Collect what the pass made, then give the pool's memory back to the driver.
 
     An object older than the pass may still hold a pool tensor through a
-    reference cycle that only a collection of the whole heap finds: if a pool
+    reference cycle that only a collection of the whole heap finds: if the pool
     keeps a segment, thaw and collect everything once.
     """
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    if any(_pool_holds_segments(pool) for pool in pools):
+    if any(tuple(s.get("segment_pool_id", ())) == tuple(pool) for s in allocator_segments()):
         thaw()
         gc.collect()
         torch.cuda.empty_cache()
@@ -308,15 +307,16 @@ def disposable_graph_pass(
 ) -> Iterator[DisposablePass]:
     """Capture into a private pool that is given back whole when the block exits.
 
-    On entry: checkpoint ``channel_pools`` and ``workspace``, freeze every
-    object that exists, make a private pool, make the pass :func:`current_disposable_pass`, enter
-    ``redirect_pools(pool)``. On exit, on success and on error alike:
-    synchronise and run the destroy steps while the pool is still owned, exit
-    the redirect (production pools back), roll the lanes back (growth since may
-    live in the pool), collect garbage (reference cycles may still hold pool
-    tensors), release the pool (empty the cache), thaw, roll the channels back
-    (their contract: every graph using them is destroyed and synchronised). An
-    error in the block is re-raised with any teardown failures as notes.
+    On entry: checkpoint ``channel_pools``, make a private pool, freeze every
+    object that exists, checkpoint ``workspace``, make the pass
+    :func:`current_disposable_pass`, enter ``redirect_pools(pool)``. On exit,
+    on success and on error alike: synchronise and run the destroy steps while
+    the pool is still owned, exit the redirect (production pools back), roll
+    the lanes back (growth since may live in the pool), collect garbage
+    (reference cycles may still hold pool tensors), release the pool (empty the
+    cache), roll the channels back (their contract: every graph using them is
+    destroyed and synchronised), thaw. An error in the block is re-raised with
+    any teardown failures as notes.
 
     The freeze keeps every collection in the pass, the block's and the destroy
     steps' included, to what the pass made. The pass checks that the pool kept
@@ -327,20 +327,17 @@ def disposable_graph_pass(
     pools are left as they were found; the heap is left thawed.
     """
     channels_checkpoint = checkpoint_channel_pools(channel_pools)
+    disposable = DisposablePass(torch.cuda.graph_pool_handle())
     with _older_objects_frozen() as thaw:
         restore: list[Step] = []
         if workspace is not None:
             lanes_checkpoint = workspace.checkpoint()
             restore.append(lambda: workspace.rollback(lanes_checkpoint))
-        pools: list[tuple[int, int]] = []
         restore += [
-            lambda: _release_pool(pools, thaw),
-            thaw,
+            lambda: _release_pool(disposable.pool, thaw),
             lambda: rollback_channel_pools(channels_checkpoint),
         ]
         try:
-            disposable = DisposablePass(torch.cuda.graph_pool_handle())
-            pools.append(disposable.pool)
             with (
                 _marked_active(disposable),
                 redirect_pools(disposable.pool) if redirect_pools else nullcontext(),

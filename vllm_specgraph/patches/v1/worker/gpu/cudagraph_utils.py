@@ -182,9 +182,10 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome:
                 _format_owners(owners),
             )
         else:
-            # Without expandable segments the first pass's allocator bytes missed
-            # production on an H200 (1B model) by a segment: a second pass finds
-            # the one-time state in place, as production will.
+            # A block a capture made and kept, or allocator packing that may differ
+            # (without expandable segments, on an H200, a 1B model's first pass
+            # missed production by a segment): a second pass finds the one-time
+            # state in place, as production will.
             logger.info(
                 "vllm-specgraph: the first profiling pass took %s and left %.1f MiB with the "
                 "process; measuring again with that state in place",

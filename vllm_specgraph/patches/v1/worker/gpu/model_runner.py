@@ -36,7 +36,7 @@ import torch
 
 from vllm_specgraph.lanes import DEFAULT_OWNER_LANES, current_owner, use_lane
 from vllm_specgraph.patches._patching import PatchSet
-from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory
+from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory, allocator_segments
 
 __all__ = [
     "CaptureFootprint",
@@ -87,11 +87,8 @@ class CaptureFootprint:
 
 def _segment_bytes() -> tuple[int, int]:
     """Bytes in this device's allocator segments: (graph pools, default pools)."""
-    device = torch.cuda.current_device()
     graph = default = 0
-    for segment in torch.cuda.memory_snapshot():
-        if segment.get("device", device) != device:
-            continue
+    for segment in allocator_segments():
         if tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0):
             default += segment["total_size"]
         else:
