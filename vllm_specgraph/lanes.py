@@ -75,9 +75,11 @@ _current_owner: contextvars.ContextVar[Owner] = contextvars.ContextVar(
 )
 
 
-def current_owner() -> Owner:
-    """The owner selected for this thread or asyncio task ("target" unless set)."""
-    return _current_owner.get()
+current_owner: Callable[[], Owner] = _current_owner.get
+"""The owner selected for this thread or asyncio task ("target" unless set).
+
+The context variable's own ``get``: a decode step asks several times, and this
+costs no Python call."""
 
 
 def use_owner(owner: Owner) -> AbstractContextManager[None]:
@@ -85,8 +87,11 @@ def use_owner(owner: Owner) -> AbstractContextManager[None]:
 
     The selection lives in a :class:`contextvars.ContextVar`, so it is private to
     the current thread or asyncio task. Legal during capture (it allocates nothing).
-    Cheap enough for per-step calls (a plain class, not a generator).
+    Cheap enough for per-step calls: a plain class, not a generator, and a valid
+    owner costs no call beyond it.
     """
+    if (type(owner) is str and owner) or (type(owner) is int and owner >= 0):
+        return _OwnerScope(owner)
     if isinstance(owner, bool) or not isinstance(owner, str | int) or owner == "":
         raise TypeError(
             f"owner must be a non-empty str (e.g. 'draft') or an int lane, got {owner!r} "
@@ -113,6 +118,8 @@ class _OwnerScope:
 
 def use_lane(lane: int) -> AbstractContextManager[None]:
     """Select a lane by index rather than by owner name (same rules as :func:`use_owner`)."""
+    if type(lane) is int and lane >= 0:
+        return _OwnerScope(lane)
     return use_owner(lane)
 
 
@@ -179,10 +186,6 @@ class _Slot:
 
     def state(self) -> _SlotState:
         return _SlotState(self.buffer, tuple(self.retired), tuple(self.persistent.items()))
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
 
 
 def _caller_location() -> str:
@@ -280,7 +283,14 @@ class LaneWorkspace:
             check_int("ubatch", ubatch, 0, "pass the micro-batch index")
             raise ValueError(f"ubatch must be in [0, {self.num_ubatches}), got {ubatch}")
         owner = current_owner()
-        lane = self.lane_of(owner)
+        # Asked once per workspace request, in every layer that takes scratch memory:
+        # a valid lane costs no Python call.
+        if type(owner) is int and 0 <= owner < self.num_lanes:
+            lane = owner
+        else:
+            lane = self.owner_lanes.get(owner) if type(owner) is str else None
+            if lane is None:
+                lane = self.lane_of(owner)  # raises, naming the fix
         return self._slots[(ubatch, lane)], owner, lane, ubatch
 
     # -- allocation ------------------------------------------------------------------
@@ -296,17 +306,19 @@ class LaneWorkspace:
         capture only when no growth is needed (growth then raises
         :class:`WorkspaceLockedError`).
         """
-        for shape, _ in shapes_and_dtypes:
-            if any(d < 0 if type(d) is int else _bad_dimension(d) for d in shape):
-                raise ValueError(
-                    f"workspace shape {tuple(shape)} has a negative or non-integer dimension; "
-                    "pass the concrete sizes (>= 0) of every dimension"
-                )
-        nbytes = [prod(shape) * dtype.itemsize for shape, dtype in shapes_and_dtypes]
-        starts, end = [], 0
-        for n in nbytes:
+        # Plain loops: no generator frames on a path every such layer takes.
+        starts, nbytes, end = [], [], 0
+        for shape, dtype in shapes_and_dtypes:
+            for d in shape:
+                if d < 0 if type(d) is int else _bad_dimension(d):
+                    raise ValueError(
+                        f"workspace shape {tuple(shape)} has a negative or non-integer "
+                        "dimension; pass the concrete sizes (>= 0) of every dimension"
+                    )
+            n = prod(shape) * dtype.itemsize
             starts.append(end)
-            end += _aligned(n)
+            nbytes.append(n)
+            end += -(-n // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
         slot, owner, lane, ubatch = self._slot(ubatch)
         buffer = slot.buffer
         if buffer is None or buffer.numel() < end:

@@ -181,13 +181,26 @@ def metering(meter: CaptureMeter) -> Iterator[CaptureMeter]:
 
 
 def _in_draft_lane(method: Callable, name: str) -> Callable:
-    @functools.wraps(method)
-    def in_draft_lane(*args, **kwargs):
-        meter = _active_meter.get() if name == "capture" else None
-        if meter is None and current_owner() == DRAFT_LANE:
-            return method(*args, **kwargs)  # a speculator method calling another one
-        with use_lane(DRAFT_LANE), meter.measure("draft") if meter else nullcontext():
-            return method(*args, **kwargs)
+    # Every speculator method of a decode step comes through here: the common
+    # paths make no Python call but the lane's own scope.
+    if name == "capture":
+
+        @functools.wraps(method)
+        def in_draft_lane(*args, **kwargs):
+            meter = _active_meter.get()
+            if meter is None and current_owner() == DRAFT_LANE:
+                return method(*args, **kwargs)
+            with use_lane(DRAFT_LANE), meter.measure("draft") if meter else nullcontext():
+                return method(*args, **kwargs)
+
+    else:
+
+        @functools.wraps(method)
+        def in_draft_lane(*args, **kwargs):
+            if current_owner() == DRAFT_LANE:
+                return method(*args, **kwargs)  # a speculator method calling another one
+            with use_lane(DRAFT_LANE):
+                return method(*args, **kwargs)
 
     in_draft_lane.__specgraph_lane__ = DRAFT_LANE
     return in_draft_lane
