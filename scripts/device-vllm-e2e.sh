@@ -6,7 +6,7 @@
 #   SIZES=1b CASES="base draft eagle" PLUGIN="off on noest" \
 #     bash scripts/device-vllm-e2e.sh                                   # 1B, 9 runs
 #   MODE=tight bash scripts/device-vllm-e2e.sh                          # 1B base at the limit
-#   MODE=load bash scripts/device-vllm-e2e.sh                           # 1B draft model, 256 requests
+#   MODE=load bash scripts/device-vllm-e2e.sh                           # 1B draft models, 256 requests
 #   MODE=demo bash scripts/device-vllm-e2e.sh                           # make demo, through vLLM's tree
 #   TP=2 SIZES=tiny CASES="base draft eagle" PLUGIN="off on" \
 #     bash scripts/device-vllm-e2e.sh                                   # 2 GPUs per run, 6 runs
@@ -33,9 +33,14 @@
 #                                    LOAD_ROUNDS rounds
 #                                  demo: python -m vllm_specgraph.demo.vllm_demo, then
 #                                    the lane self-check
-#   SIZES="tiny"                   tiny | 1b (default 1b in MODE=tight and MODE=load)
-#   CASES="base draft ngram eagle" no speculator | draft model | ngram | EAGLE
-#                                  (default base in MODE=tight, draft in MODE=load)
+#   SIZES="tiny"                   tiny | 1b | 8b (default 1b in MODE=tight and MODE=load)
+#   CASES="base draft ngram eagle" no speculator | draft model | accept (the draft
+#                                  model with the target's config: acceptance near 1)
+#                                  | ngram | EAGLE (default base in MODE=tight, base
+#                                  draft accept in MODE=load)
+#   GRAPHS="full"                  graph modes, one or both: full (compilation off,
+#                                  FULL graphs) | compile (vLLM's default: torch.compile,
+#                                  FULL_AND_PIECEWISE)
 #   PLUGIN="off on"                off: plugin loaded, VLLM_SPECGRAPH=0 | on | none |
 #                                  noest: off and VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0
 #                                  (default "off on noest" in MODE=tight)
@@ -62,7 +67,11 @@
 #                                  the host's load weigh on both switches alike; with
 #                                  several GPUs the rounds run at once; the summary
 #                                  pools the rounds
-#   T_tiny=90 T_1b=150             wall limit of one run (seconds)
+#   LOAD_CORES=8                   MODE=load on one GPU: every run is pinned to the
+#                                  same this many cores (a decode step with an eager
+#                                  draft model is bound by the host, whose speed
+#                                  otherwise differs from one process to the next)
+#   T_tiny=90 T_1b=150 T_8b=300    wall limit of one run (seconds)
 #   T_FIRST_EXTRA=60               added to a run while no run of its size has ended
 #                                  well: Triton JIT, cold caches
 #   T_LOAD_EXTRA=60                added to a run in MODE=load
@@ -85,6 +94,7 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 export CUDA_DEVICE_ORDER=PCI_BUS_ID  # CUDA_VISIBLE_DEVICES then counts as nvidia-smi does
+export PYTHONHASHSEED=0  # the same iteration order of every set and dict in every run
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 E2E="$REPO/scripts/vllm_e2e"
 OUTDIR="${OUT:-/tmp/vllm-e2e-out}"
@@ -93,7 +103,7 @@ MODE="${MODE:-bench}"
 case "$MODE" in
   bench) d_sizes=tiny; d_cases="base draft ngram eagle"; d_plugin="off on" ;;
   tight) d_sizes=1b; d_cases=base; d_plugin="off on noest" ;;
-  load) d_sizes=1b; d_cases=draft; d_plugin="off on" ;;
+  load) d_sizes=1b; d_cases="base draft accept"; d_plugin="off on" ;;
   demo) d_sizes=tiny; d_cases=draft; d_plugin=on ;;
   *) echo "unknown MODE '$MODE' (bench, tight, load, demo)"; exit 2 ;;
 esac
@@ -101,6 +111,8 @@ SIZES="${SIZES:-$d_sizes}"
 CASES="${CASES:-$d_cases}"
 PLUGIN="${PLUGIN:-$d_plugin}"
 CAPTURE="${CAPTURE:-default}"
+GRAPHS="${GRAPHS:-full}"
+LOAD_CORES="${LOAD_CORES:-8}"
 ALLOCATOR="${ALLOCATOR:-default}"
 ALLOCATOR_TRACE="${ALLOCATOR_TRACE:-0}"
 # Default: the GPUs CUDA_VISIBLE_DEVICES names, if set, else every GPU nvidia-smi lists.
@@ -114,6 +126,7 @@ LOAD_REPEATS="${LOAD_REPEATS:-2}"
 LOAD_ROUNDS="${LOAD_ROUNDS:-2}"
 T_tiny="${T_tiny:-90}"
 T_1b="${T_1b:-150}"
+T_8b="${T_8b:-300}"
 T_FIRST_EXTRA="${T_FIRST_EXTRA:-60}"
 T_LOAD_EXTRA="${T_LOAD_EXTRA:-60}"
 BUDGET="${BUDGET:-570}"
@@ -125,10 +138,13 @@ MIN_RUN=30
 
 t0=$(date +%s)
 for s in $SIZES; do
-  case "$s" in tiny|1b) ;; *) echo "unknown size '$s' (tiny, 1b)"; exit 2 ;; esac
+  case "$s" in tiny|1b|8b) ;; *) echo "unknown size '$s' (tiny, 1b, 8b)"; exit 2 ;; esac
 done
 for c in $CASES; do
-  case "$c" in base|draft|ngram|eagle) ;; *) echo "unknown case '$c'"; exit 2 ;; esac
+  case "$c" in base|draft|accept|ngram|eagle) ;; *) echo "unknown case '$c'"; exit 2 ;; esac
+done
+for g in $GRAPHS; do
+  case "$g" in full|compile) ;; *) echo "unknown graph mode '$g' (full, compile)"; exit 2 ;; esac
 done
 for p in $PLUGIN; do
   case "$p" in off|on|none|noest) ;; *) echo "unknown plugin switch '$p' (off, on, none, noest)"; exit 2 ;; esac
@@ -144,6 +160,7 @@ case "$ALLOCATOR_TRACE" in
   0) ;; 1) [ "$TP" = 1 ] || { echo "ALLOCATOR_TRACE=1 records at TP=1 only, got TP=$TP"; exit 2; } ;;
   *) echo "ALLOCATOR_TRACE must be 0 or 1, got '$ALLOCATOR_TRACE'"; exit 2 ;;
 esac
+[ "$MODE" != tight ] || [ "$GRAPHS" = full ] || { echo "MODE=tight runs GRAPHS=full only"; exit 2; }
 case "$LOAD_ROUNDS" in
   ''|*[!0-9]*|0) echo "LOAD_ROUNDS must be a positive integer, got '$LOAD_ROUNDS'"; exit 2 ;;
 esac
@@ -178,8 +195,13 @@ for i in "${!LANES[@]}"; do
   if [ "${#LANES[@]}" -gt 1 ] && [ "$per_lane" -ge 2 ] && command -v taskset >/dev/null; then
     cores=$(IFS=,; echo "${CPUS[*]:$(( i * per_lane )):$per_lane}")
     taskset -c "$cores" true 2>/dev/null && PIN[$i]="taskset -c $cores"
+  elif [ "$MODE" = load ] && [ "${#LANES[@]}" -eq 1 ] && command -v taskset >/dev/null; then
+    cores=$(IFS=,; echo "${CPUS[*]:0:$LOAD_CORES}")
+    taskset -c "$cores" true 2>/dev/null && PIN[$i]="taskset -c $cores"
   fi
 done
+# The plugin commit every run measures (its result keeps it): COMMIT, else this checkout's.
+export SPECGRAPH_COMMIT="${COMMIT:-$(git -C "$REPO" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}"
 echo "mode $MODE; lanes (CUDA_VISIBLE_DEVICES): ${LANES[*]}; pinned to: ${PIN[*]:-(not pinned)}"
 mkdir -p "$OUTDIR"
 rm -f "$OUTDIR/skipped.txt"
@@ -233,9 +255,10 @@ lane_gpu_processes() {
   nvidia-smi --query-compute-apps=gpu_uuid --format=csv,noheader 2>/dev/null | grep -c -F "${pattern[@]}"
 }
 
-run_stem() {  # size case plugin capture: SIZE-CASE-PLUGIN[-small], where a run's name starts
+run_stem() {  # size case plugin capture graphs: SIZE-CASE-PLUGIN[-small][-compile], where a run's name starts
   local stem="$1-$2-$3"
   [ "$4" = small ] && stem+="-small"
+  [ "${5:-full}" = compile ] && stem+="-compile"
   echo "$stem"
 }
 
@@ -245,12 +268,12 @@ plan_file() {  # size case capture
   echo "$OUTDIR/plan-$1-$2$small$SUFFIX.json"
 }
 
-# One run: "size:case:plugin:capture:workload:tight:round", on lane $1.
+# One run: "size:case:plugin:capture:workload:tight:round:graphs", on lane $1.
 run_one() {
-  local lane_index=$1 lane=${LANES[$1]} size case plugin capture workload tight round stale
-  IFS=: read -r size case plugin capture workload tight round <<< "$2"
-  local name args=(--capture "$capture" --workload "$workload")
-  name=$(run_stem "$size" "$case" "$plugin" "$capture")
+  local lane_index=$1 lane=${LANES[$1]} size case plugin capture workload tight round graphs stale
+  IFS=: read -r size case plugin capture workload tight round graphs <<< "$2"
+  local name args=(--capture "$capture" --workload "$workload" --graph-mode "$graphs")
+  name=$(run_stem "$size" "$case" "$plugin" "$capture" "$graphs")
   if [ "$tight" = 1 ]; then
     name+="-tight"
     args+=(--tight-plan "$(plan_file "$size" "$case" "$capture")")
@@ -268,7 +291,7 @@ run_one() {
   local tvar="T_$size" left limit
   left=$(( BUDGET - ($(date +%s) - t0) - RESERVE ))
   limit="${!tvar}"
-  [ -e "$W/warm-$size" ] || limit=$(( limit + T_FIRST_EXTRA ))
+  [ -e "$W/warm-$size-$graphs" ] || limit=$(( limit + T_FIRST_EXTRA ))
   [ "$workload" = load ] && limit=$(( limit + T_LOAD_EXTRA ))
   [ "$TP" -gt 1 ] && limit=$(( limit + T_TP_EXTRA ))
   [ "$limit" -gt "$left" ] && limit="$left"
@@ -302,7 +325,7 @@ run_one() {
     done
     [ "$gpu_left" = 0 ] || echo "after $name: $gpu_left processes still on GPU $lane"
   fi
-  [ "$rc" = 0 ] && touch "$W/warm-$size"
+  [ "$rc" = 0 ] && touch "$W/warm-$size-$graphs"
   # One write per finished run, so that lanes running side by side do not interleave.
   local report
   report=$(
@@ -337,30 +360,32 @@ run_jobs() {
   wait
 }
 
-# Jobs of one phase: every (size, capture set, case); $1 is the workload, $2 the
+# Jobs of one phase: every (graph mode, size, capture set, case); $1 is the workload, $2 the
 # plugin switches, $3 1 for the tight runs. With $4 = N rounds, the switches of a
 # case form one job per round (they run one after the other on one GPU), every
 # other round in reverse order (ABBA: off on, on off, ...), so that with several
 # GPUs the rounds run at once and share the host alike; else each run is a job of
 # its own.
 make_jobs() {
-  local size capture case plugin job round order reversed=""
+  local graphs size capture case plugin job round order reversed=""
   for plugin in $2; do reversed="$plugin $reversed"; done
   JOBS=()
-  for size in $SIZES; do
-    for capture in $CAPTURE; do
-      for case in $CASES; do
-        [ "$3" = 1 ] && [ ! -e "$(plan_file "$size" "$case" "$capture")" ] && continue
-        if [ -z "${4:-}" ]; then
-          for plugin in $2; do JOBS+=("$size:$case:$plugin:$capture:$1:$3:1"); done
-          continue
-        fi
-        for round in $(seq 1 "$4"); do
-          order=$2
-          [ $(( round % 2 )) = 0 ] && order=$reversed
-          job=""
-          for plugin in $order; do job+="$size:$case:$plugin:$capture:$1:$3:$round "; done
-          JOBS+=("$job")
+  for graphs in $GRAPHS; do
+    for size in $SIZES; do
+      for capture in $CAPTURE; do
+        for case in $CASES; do
+          [ "$3" = 1 ] && [ ! -e "$(plan_file "$size" "$case" "$capture")" ] && continue
+          if [ -z "${4:-}" ]; then
+            for plugin in $2; do JOBS+=("$size:$case:$plugin:$capture:$1:$3:1:$graphs"); done
+            continue
+          fi
+          for round in $(seq 1 "$4"); do
+            order=$2
+            [ $(( round % 2 )) = 0 ] && order=$reversed
+            job=""
+            for plugin in $order; do job+="$size:$case:$plugin:$capture:$1:$3:$round:$graphs "; done
+            JOBS+=("$job")
+          done
         done
       done
     done
@@ -376,13 +401,15 @@ case "$MODE" in
     make_jobs load "$PLUGIN" 0 "$LOAD_ROUNDS"
     # The summary pools every round it finds, so the later rounds of an earlier
     # invocation must not stay behind; rounds run at once, so clear them first.
-    for size in $SIZES; do
-      for capture in $CAPTURE; do
-        for case in $CASES; do
-          for plugin in $PLUGIN; do
-            name="$(run_stem "$size" "$case" "$plugin" "$capture")"
-            for stale in "$OUTDIR/$name-load"-r*; do
-              [[ ${stale#"$OUTDIR/$name-load"-r} =~ ^[0-9]+$SUFFIX\.(json|log)$ ]] && rm -f "$stale"
+    for graphs in $GRAPHS; do
+      for size in $SIZES; do
+        for capture in $CAPTURE; do
+          for case in $CASES; do
+            for plugin in $PLUGIN; do
+              name="$(run_stem "$size" "$case" "$plugin" "$capture" "$graphs")"
+              for stale in "$OUTDIR/$name-load"-r*; do
+                [[ ${stale#"$OUTDIR/$name-load"-r} =~ ^[0-9]+$SUFFIX\.(json|log)$ ]] && rm -f "$stale"
+              done
             done
           done
         done

@@ -1111,7 +1111,7 @@ def test_load_rows_from_the_rounds_that_ran(tmp_path, capsys):
     assert row["status"] == "PASS"
     cells = _load_cells(row)
     assert (cells["runs off / on"], cells["on / off per round"]) == ("1 / 2", "r1 1.000, r2 -")
-    assert "| 1b | draft | 2 | 3 | 1 / 2 | 99 (98 - 100) |" in (res / "vllm_load.md").read_text()
+    assert "| 1b | draft | 2 | 1 / 2 | 99 (98 - 100) |" in (res / "vllm_load.md").read_text()
     printed = capsys.readouterr().out
     assert "[1b/draft/on/load/round 2] ok" in printed
     assert "SUMMARY: all runs ok=False (3/3), rows PASS=1/1" in printed
@@ -1121,38 +1121,33 @@ def test_load_rows_from_the_rounds_that_ran(tmp_path, capsys):
     assert (row["runs_off"], row["status"]) == (1, "PASS")
 
 
-LOAD_SCHEMA_1 = os.path.join(os.path.dirname(__file__), "data", "vllm_load_schema1.json")
-"""A vllm_load.json as written before load rounds existed (two GPU runs, one per switch)."""
+def test_load_row_compares_with_no_speculator_and_names_its_commit():
+    offs = [load_run([100.0]) | {"commit": "abc"}]
+    ons = [load_run([99.0]) | {"commit": "abc"}, load_run([101.0], 2) | {"commit": "abd"}]
+    base = [load_run([50.0]), load_run([40.0], 2), {"ok": False}]
+    row = summarize_load.build_row("1b", "accept", offs, ons, base)
+    assert row["tokens_per_s_no_speculator"] == 45.0
+    assert row["ratio_on_no_speculator"] == round(100 / 45, 4)
+    assert row["commit"] == "abc abd"
+    cells = _load_cells(row)
+    assert (cells["on / no speculator"], cells["commit"]) == ("2.222", "abc abd")
+    alone = summarize_load.build_row("1b", "base", base, base)
+    assert alone["ratio_on_no_speculator"] is None and alone["commit"] is None
 
 
-def test_load_rows_of_schema_1_carry_over():
-    """Rows of schema 1 (one run of each switch, checked on the best repeats)
-    render with "-" where they lack a figure and are kept by a later write."""
-    with open(LOAD_SCHEMA_1) as f:
-        old = {(r["size"], r["case"]): r for r in json.load(f)["rows"]}
-    cells = _load_cells(old[("1b", "draft")])
-    assert cells["runs off / on"] == "1 / 1"
-    assert cells["tokens/s off: median (lowest - best)"] == "4,451 (best 4,761)"
-    assert (cells["on / off (medians)"], cells["on / off per round"]) == ("-", "-")
-    assert cells["check"] == "FAIL (on/off 0.920)"
-
-
-def test_load_write_carries_rows_of_either_schema(tmp_path):
+def test_load_write_carries_only_rows_that_name_their_commit(tmp_path):
+    measured = summarize_load.build_row(
+        "tiny", "draft", [load_run([10.0]) | {"commit": "abc"}], [load_run([10.0])]
+    )
+    unnamed = summarize_load.build_row("8b", "draft", [load_run([10.0])], [load_run([10.0])])
+    first, _ = summarize_load.write([measured, unnamed], str(tmp_path / "a"))
     new = summarize_load.build_row("1b", "draft", [load_run([100.0])], [load_run([100.0])])
-    first, _ = summarize_load.write([new], str(tmp_path / "a"), LOAD_SCHEMA_1)
-    doc = json.loads(Path(first).read_text())
+    second, _ = summarize_load.write([new], str(tmp_path / "b"), first)
+    doc = json.loads(Path(second).read_text())
     assert doc["schema"] == summarize_load.SCHEMA
-    assert [(r["size"], "ratio_on_off_median" in r) for r in doc["rows"]] == [
-        ("1b", True),
-        ("tiny-tp2", False),
-    ]
-    md = (tmp_path / "a" / "vllm_load.md").read_text()
-    assert "| tiny-tp2 | draft | 48 | 1,985 | 1 / 1 | 626 (best 642) |" in md
-    assert "Measured before rounds (tiny-tp2/draft)" in md
-    other = summarize_load.build_row("tiny", "draft", [load_run([10.0])], [load_run([10.0])])
-    second, _ = summarize_load.write([other], str(tmp_path / "b"), first)
-    rows = json.loads(Path(second).read_text())["rows"]
-    assert [r["size"] for r in rows] == ["tiny", "1b", "tiny-tp2"]
+    assert [(r["size"], r["commit"]) for r in doc["rows"]] == [("1b", None), ("tiny", "abc")]
+    markdown = (tmp_path / "b" / "vllm_load.md").read_text()
+    assert "| tiny | draft | 2 | 1 / 1 | 10 (10 - 10) |" in markdown
 
 
 # ---- the device script's scheduling, with stand-ins for nvidia-smi and python3 ----

@@ -2,8 +2,8 @@
 """Offline vLLM 0.33.0 run on a dummy-weight Llama: Model Runner V2, FULL CUDA
 graphs, optional speculator, vllm-specgraph plugin on or off. One run per process.
 
-    python run_llm.py --size tiny|1b --case base|draft|ngram|eagle \
-        --plugin off|on|none|noest [--capture default|small] \
+    python run_llm.py --size tiny|1b|8b --case base|draft|accept|ngram|eagle \
+        --plugin off|on|none|noest [--capture default|small] [--graph-mode full|compile] \
         [--allocator default|expandable] [--allocator-trace DIR] \
         [--workload smoke|peak|load [--load-round N]] [--tight-plan PLAN.json] \
         [--tp N [--custom-all-reduce]] --out result.json
@@ -79,7 +79,9 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 CONFIGS = os.path.join(REPO, "configs")
 
 MiB = 1 << 20
-CASES = ("base", "draft", "ngram", "eagle")
+CASES = ("base", "draft", "accept", "ngram", "eagle")
+"""``accept``: the draft model with the target's own config; the refill by name then
+gives it the target's weights, so it agrees with the target nearly always."""
 PLUGIN_SWITCHES = ("off", "on", "none", "noest")
 PLUGIN_NAME = "specgraph"  # the vllm.general_plugins entry point in pyproject.toml
 PLUGIN_GROUP = "vllm.general_plugins"
@@ -117,7 +119,27 @@ SIZES: dict[str, dict[str, Any]] = {
         "max_num_batched_tokens": 2048,
         "gpu_memory_utilization": 0.5,
     },
+    "8b": {
+        "model": "llama-8b",
+        "draft": "llama-8b-draft",
+        "eagle": "llama-8b-eagle",
+        "dtype": "bfloat16",
+        "capture_sizes": None,
+        "max_num_seqs": 256,
+        "max_model_len": 1024,
+        "max_num_batched_tokens": 2048,
+        "gpu_memory_utilization": 0.5,
+    },
 }
+
+GRAPH_MODES: dict[str, dict[str, Any]] = {
+    "full": {"mode": 0, "cudagraph_mode": "FULL"},
+    "compile": {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"},
+}
+"""``--graph-mode``: ``full`` is compilation off with FULL graphs; ``compile`` is vLLM's
+default for Model Runner V2, torch.compile (``VLLM_COMPILE``) with FULL_AND_PIECEWISE."""
+COMMIT_ENV = "SPECGRAPH_COMMIT"
+"""The plugin commit a run measures, as the device script read it; kept in the result."""
 
 # Capture-size sets: "default" is each size's own (above), "small" the same short
 # explicit list for every size.
@@ -276,9 +298,12 @@ def reinit_weights(
     return n, seen
 
 
-def speculative_config(case: str, draft: str, eagle: str, num_spec: int) -> dict | None:
-    if case == "draft":
-        return {"method": "draft_model", "model": draft, "num_speculative_tokens": num_spec}
+def speculative_config(
+    case: str, draft: str, eagle: str, num_spec: int, target: str = ""
+) -> dict | None:
+    if case in ("draft", "accept"):
+        model = target if case == "accept" else draft
+        return {"method": "draft_model", "model": model, "num_speculative_tokens": num_spec}
     if case == "eagle":
         return {"method": "eagle", "model": eagle, "num_speculative_tokens": num_spec}
     if case == "ngram":
@@ -305,8 +330,7 @@ def llm_kwargs(args: argparse.Namespace, preset: dict[str, Any]) -> dict[str, An
     ``args.tp`` > 1 also the multiprocess executor, custom all-reduce off unless
     ``args.custom_all_reduce``, and the worker extension that measures each rank."""
     compilation: dict[str, Any] = {
-        "mode": 0,  # CompilationMode.NONE: no dynamo/inductor on torch 2.11
-        "cudagraph_mode": args.cudagraph_mode,
+        **GRAPH_MODES[getattr(args, "graph_mode", "full")],
         "custom_ops": ["none"],
     }
     sizes = capture_sizes(preset, getattr(args, "capture", "default"))
@@ -332,7 +356,9 @@ def llm_kwargs(args: argparse.Namespace, preset: dict[str, Any]) -> dict[str, An
                 "fused_add_rms_norm": ["native"],
             }
         },
-        "speculative_config": speculative_config(args.case, args.draft, args.eagle, args.num_spec),
+        "speculative_config": speculative_config(
+            args.case, args.draft, args.eagle, args.num_spec, args.model
+        ),
         "disable_log_stats": False,  # keep spec-decode counters for get_metrics()
     }
     tp = getattr(args, "tp", 1)
@@ -476,7 +502,7 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=6)
     ap.add_argument("--dtype", help="default: the size's")
     ap.add_argument("--gpu-mem-util", type=float, help="default: the size's")
-    ap.add_argument("--cudagraph-mode", default="FULL")
+    ap.add_argument("--graph-mode", choices=tuple(GRAPH_MODES), default="full")
     ap.add_argument("--capture", choices=CAPTURE_SETS, default="default")
     ap.add_argument("--allocator", choices=tuple(ALLOCATORS), default="default")
     ap.add_argument(
@@ -534,6 +560,8 @@ def main() -> int:
         "case": args.case,
         "plugin": {"switch": args.plugin, "env": env},
         "capture": args.capture,
+        "graph_mode": args.graph_mode,
+        "commit": os.environ.get(COMMIT_ENV),
         "allocator": args.allocator,
         "workload": args.workload,
         "ok": False,

@@ -52,9 +52,9 @@ import summarize_tight  # noqa: E402
 from results_files import write_json_and_markdown  # noqa: E402
 
 MiB = 1 << 20
-SIZES = ("tiny", "1b")
-CASES = ("base", "draft", "ngram", "eagle")
-SPEC_CASES = ("draft", "ngram", "eagle")
+SIZES = ("tiny", "1b", "8b")
+CASES = ("base", "draft", "accept", "ngram", "eagle")
+SPEC_CASES = ("draft", "accept", "ngram", "eagle")
 SWITCHES = ("off", "on", "none", "noest")
 RESULTS_NAME = "vllm_graph_memory"
 SCHEMA = 2
@@ -104,14 +104,18 @@ def group_of(
     capture: Any = "default",
     workload: Any = "smoke",
     allocator: Any = "default",
+    graph_mode: Any = "full",
 ) -> str:
     """The table's size label: the size, then ``-small`` for the small
-    capture-size set, ``-expandable`` for runs with the allocator's expandable
+    capture-size set, ``-compile`` for vLLM's default graph mode (torch.compile,
+    FULL_AND_PIECEWISE), ``-expandable`` for runs with the allocator's expandable
     segments, ``-peak`` for the full-step workload (the tight mode's calibration
     runs), ``-tpN`` at TP=N > 1."""
     group = size
     if capture not in (None, "default"):
         group += f"-{capture}"
+    if graph_mode not in (None, "full"):
+        group += f"-{graph_mode}"
     if allocator not in (None, "default"):
         group += f"-{allocator}"
     if workload == "peak":
@@ -125,11 +129,12 @@ def split_group(group: str) -> tuple[str, int]:
     return size, int(tp) if tp.isdigit() else 1
 
 
-def group_order(group: str) -> tuple[int, bool, bool, bool, int]:
+def group_order(group: str) -> tuple[int, bool, bool, bool, bool, int]:
     label, tp = split_group(group)
     size, *parts = label.split("-")
     return (
         SIZES.index(size) if size in SIZES else 99,
+        "compile" in parts,
         "peak" in parts,
         "small" in parts,
         "expandable" in parts,
@@ -168,7 +173,12 @@ def load_runs(outdir: str) -> Kinds:
         # Their own tables imply the workload of the load and tight runs.
         workload = r.get("workload") if kind == "memory" else None
         group = group_of(
-            r.get("size", "tiny"), r.get("tp"), r.get("capture"), workload, r.get("allocator")
+            r.get("size", "tiny"),
+            r.get("tp"),
+            r.get("capture"),
+            workload,
+            r.get("allocator"),
+            r.get("graph_mode"),
         )
         key = (group, r["case"], switch)
         if kind == "load":
@@ -671,9 +681,19 @@ def memory_rows(runs: dict[Key, Run]) -> list[dict]:
 
 
 def load_rows(runs: dict[Key, list[Run]]) -> list[dict]:
-    pairs = sorted({(g, c) for g, c, _ in runs}, key=lambda p: (group_order(p[0]), p[1]))
+    """One row per (size group, case); a speculative row also gets its group's
+    no-speculator figures (the ``base`` case, plugin off), if they ran."""
+    pairs = sorted(
+        {(g, c) for g, c, _ in runs}, key=lambda p: (group_order(p[0]), CASES.index(p[1]))
+    )
     return [
-        summarize_load.build_row(g, c, runs.get((g, c, "off"), []), runs.get((g, c, "on"), []))
+        summarize_load.build_row(
+            g,
+            c,
+            runs.get((g, c, "off"), []),
+            runs.get((g, c, "on"), []),
+            None if c == "base" else runs.get((g, "base", "off")),
+        )
         for g, c in pairs
     ]
 

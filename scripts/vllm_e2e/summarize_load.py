@@ -9,14 +9,16 @@ lowest of the pooled repeats; only ``generate()`` is timed, after a warm-up),
 the ratio of the medians on/off, the same ratio per round, the number of runs
 of each switch, the mean engine-step time (median over the pooled repeats: a
 repeat's wall time over the engine steps vLLM counted) and its ratio, and the
-speculative acceptance over the timed repeats of all runs. A row passes when
+speculative acceptance over the timed repeats of all runs, what speculation
+gains over the same size group without a speculator (the ``base`` case, plugin
+off), and the plugin commit and the time each row was measured. A row passes when
 every run's greedy tokens, off and on, are the same and the plugin costs at
 most the target: on/off of the medians is at least ``1 - MAX_SLOWDOWN``. A
 ratio above 1 is not checked: the plugin adds no work to a step, so on
 running faster is the runs' spread, and the table shows it as measured.
 
-Rows of schema 1 (one off and one on run, checked on the best repeat) are
-still read and carried over; the cells they lack say "-".
+Rows an earlier invocation wrote are carried over only if they name the commit
+they were measured on; rows from before commits were recorded are dropped.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from typing import Any
 from results_files import markdown_grid, write_json_and_markdown
 
 RESULTS_NAME = "vllm_load"
-SCHEMA = 2
-READABLE_SCHEMAS = (1, 2)
+SCHEMA = 3
+READABLE_SCHEMAS = (3,)
 MAX_SLOWDOWN = 0.02
 
 __all__ = ["COLUMNS", "build_row", "markdown", "round_of", "row_cells", "write"]
@@ -40,7 +42,6 @@ COLUMNS = (
     "size",
     "case",
     "requests",
-    "tokens generated per repeat",
     "runs off / on",
     "tokens/s off: median (lowest - best)",
     "tokens/s on: median (lowest - best)",
@@ -49,11 +50,11 @@ COLUMNS = (
     "engine step ms off / on (median)",
     "step on / off",
     "acceptance off / on",
-    "mean acceptance length off / on",
+    "on / no speculator",
     "tokens equal (all runs)",
-    "repeats equal off / on",
-    "GPU off / on",
     "check",
+    "commit",
+    "measured (UTC)",
 )
 
 Run = dict[str, Any]
@@ -152,10 +153,18 @@ def _tokens_differing(offs: list[Run], ons: list[Run]) -> list[str] | None:
     ]
 
 
-def build_row(group: str, case: str, offs: list[Run], ons: list[Run]) -> dict[str, Any]:
+def build_row(
+    group: str,
+    case: str,
+    offs: list[Run],
+    ons: list[Run],
+    base_offs: list[Run] | None = None,
+) -> dict[str, Any]:
     """The row of one (size group, case) from its runs, off and on, of every
-    round; a run that did not finish (or was skipped) adds nothing."""
+    round; a run that did not finish (or was skipped) adds nothing.
+    ``base_offs``: the same group's runs without a speculator, plugin off."""
     offs, ons = _ran(offs), _ran(ons)
+    base_rate = _rates(_repeats(_ran(base_offs or [])))["median"]
     reps_off, reps_on = _repeats(offs), _repeats(ons)
     rates_off, rates_on = _rates(reps_off), _rates(reps_on)
     ratio = _ratio(rates_on["median"], rates_off["median"])
@@ -187,8 +196,11 @@ def build_row(group: str, case: str, offs: list[Run], ons: list[Run]) -> dict[st
         "tokens_differing": differing,
         "repeats_equal_off": _all(offs, "repeats_equal"),
         "repeats_equal_on": _all(ons, "repeats_equal"),
+        "tokens_per_s_no_speculator": base_rate,
+        "ratio_on_no_speculator": _ratio(rates_on["median"], base_rate),
         "gpu_off": _lanes(offs),
         "gpu_on": _lanes(ons),
+        "commit": " ".join(sorted({r["commit"] for r in offs + ons if r.get("commit")})) or None,
         "repeats_off": reps_off,
         "repeats_on": reps_on,
         "measured_utc": max(
@@ -241,35 +253,24 @@ def _rounds_cell(rounds: list[dict[str, Any]] | None) -> str:
     return ", ".join(f"r{r['round']} {_ratio_cell(r['ratio_on_off'])}" for r in rounds)
 
 
-def _schema1(row: dict[str, Any]) -> bool:
-    """A row of schema 1: one run of each switch (if it ran), the best repeats compared."""
-    return "ratio_on_off_median" not in row
-
-
 def row_cells(row: dict[str, Any]) -> list[str]:
-    runs = (
-        (int(row["ran_off"]), int(row["ran_on"]))
-        if _schema1(row)
-        else (row["runs_off"], row["runs_on"])
-    )
     return [
         row["size"],
         row["case"],
         "-" if row["num_requests"] is None else str(row["num_requests"]),
-        "-" if row["generated_tokens"] is None else f"{row['generated_tokens']:,}",
-        _pair(*runs),
+        _pair(row["runs_off"], row["runs_on"]),
         _rates_cell(row["tokens_per_s_off"]),
         _rates_cell(row["tokens_per_s_on"]),
-        _ratio_cell(row.get("ratio_on_off_median")),
-        _rounds_cell(row.get("rounds")),
-        _pair(row.get("step_ms_off"), row.get("step_ms_on"), lambda x: f"{x:.2f}"),
-        _ratio_cell(row.get("step_ratio_on_off")),
+        _ratio_cell(row["ratio_on_off_median"]),
+        _rounds_cell(row["rounds"]),
+        _pair(row["step_ms_off"], row["step_ms_on"], lambda x: f"{x:.2f}"),
+        _ratio_cell(row["step_ratio_on_off"]),
         _pair(row["acceptance_off"], row["acceptance_on"], lambda x: f"{x:.3f}"),
-        _pair(row["mean_acceptance_length_off"], row["mean_acceptance_length_on"]),
+        _ratio_cell(row["ratio_on_no_speculator"]),
         "-" if row["tokens_equal_on_off"] is None else str(row["tokens_equal_on_off"]),
-        _pair(row["repeats_equal_off"], row["repeats_equal_on"]),
-        _pair(row["gpu_off"], row["gpu_on"]),
         row["status"],
+        row["commit"] or "-",
+        row["measured_utc"] or "-",
     ]
 
 
@@ -277,16 +278,22 @@ def markdown(doc: dict[str, Any]) -> str:
     out = [
         "# vLLM 0.33.0 under load: vllm-specgraph off and on",
         "",
-        "Real vLLM 0.33.0 (Model Runner V2, FULL CUDA graphs, Triton attention, dummy "
-        "weights refilled by name, greedy, `ignore_eos`) through "
+        "Real vLLM 0.33.0 (Model Runner V2, Triton attention, dummy weights refilled by "
+        "name, greedy, `ignore_eos`; FULL CUDA graphs with compilation off, or, in the "
+        "`-compile` size groups, vLLM's default torch.compile with FULL_AND_PIECEWISE "
+        "graphs) through "
         "`scripts/device-vllm-e2e.sh` with `MODE=load`: each run submits all requests "
         "at once (seeded prompt lengths 16 to `max_model_len / 2`, outputs 16 to "
         "`max_model_len / 4`) after a warm-up generate; only `generate()` is timed, "
         "repeated; acceptance is vLLM's spec-decode counters over the timed repeats. "
         "Off and on of one case run one after the other on the same GPU, in rounds "
         "whose order alternates (off, on; on, off; ...); with several GPUs the rounds "
-        "run at once, one per GPU. The timed repeats of every run of a switch are "
-        "pooled. Per round: on/off of that round's medians.",
+        "run at once, one per GPU; on one GPU every run is pinned to the same cores. "
+        "The timed repeats of every run of a switch are pooled. Per round: on/off of "
+        "that round's medians. `draft`: a 2-layer draft model, which rarely agrees with "
+        "the target; `accept`: the draft model with the target's own config and "
+        "weights, which nearly always does; on / no speculator: plugin-on tokens/s over "
+        "the size group's plugin-off tokens/s without a speculator.",
         "",
     ]
     out += markdown_grid(COLUMNS, (row_cells(row) for row in doc["rows"]), text_columns=2)
@@ -295,19 +302,9 @@ def markdown(doc: dict[str, Any]) -> str:
         "Check: every run's greedy tokens, off and on, in every round, are the same; "
         "on/off of the median tokens/s over the pooled repeats is at least "
         f"{1 - MAX_SLOWDOWN:.2f}: the plugin may cost at most {MAX_SLOWDOWN:.0%} "
-        "(above 1 is the runs' spread, not checked). "
-        "Measured: "
-        + ", ".join(f"{r['size']}/{r['case']} {r.get('measured_utc')} UTC" for r in doc["rows"])
-        + ".",
+        "(above 1 is the runs' spread, not checked).",
         "",
     ]
-    old = [f"{r['size']}/{r['case']}" for r in doc["rows"] if _schema1(r)]
-    if old:
-        out += [
-            f"Measured before rounds ({', '.join(old)}): one run of each switch, "
-            "checked on the ratio of the best repeats.",
-            "",
-        ]
     return "\n".join(out)
 
 
@@ -315,14 +312,19 @@ def write(
     rows: list[dict[str, Any]], results_dir: str, previous: str | None = None
 ) -> tuple[str, str]:
     """Write the JSON and Markdown, carrying over rows of ``previous`` (an
-    earlier vllm_load.json) whose (size, case) this invocation did not run."""
+    earlier vllm_load.json of this schema) whose (size, case) this invocation did
+    not run and that name their commit."""
     rows = list(rows)
     if previous and os.path.exists(previous):
         with open(previous) as f:
             prev = json.load(f)
         if prev.get("schema") in READABLE_SCHEMAS:
             here = {(r["size"], r["case"]) for r in rows}
-            rows += [r for r in prev.get("rows", []) if (r["size"], r["case"]) not in here]
+            rows += [
+                r
+                for r in prev.get("rows", [])
+                if (r["size"], r["case"]) not in here and r.get("commit")
+            ]
     doc = {
         "schema": SCHEMA,
         "generated_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
