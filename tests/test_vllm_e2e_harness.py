@@ -1741,3 +1741,47 @@ def test_rank_figures_never_stop_the_engine(tmp_path, capsys):
     figures["kv_cache_bytes"] = 1  # the directory is gone: reported, not raised
     assert figures == {"kv_cache_bytes": 1}
     assert "cannot write" in capsys.readouterr().err
+
+
+def test_plugin_share_counts_the_package_own_time_per_step(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "hot.py").write_text("def wrapper(fn):\n    return fn()\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        from pkg import hot
+    finally:
+        sys.path.remove(str(tmp_path))
+    steps = [0]
+
+    def work():
+        return sum(i * i for i in range(2000))
+
+    def generate(requests):
+        for _ in requests:
+            steps[0] += 1
+            hot.wrapper(work)
+        return [[1]] * len(requests)
+
+    share = workloads.plugin_share(
+        generate, [([1], 1)] * 50, str(package) + os.sep, lambda: steps[0]
+    )
+    assert share["engine_steps"] == 50 and share["plugin_calls_per_step"] == 1.0
+    assert 0 < share["plugin_share"] < 0.5 and share["plugin_s"] < share["profiled_s"]
+    assert share["plugin_top"][0].startswith("wrapper ")
+
+
+def test_load_row_checks_the_plugin_share_where_it_was_measured():
+    def on_run(rate: float, share: float) -> dict:
+        run = load_run([rate])
+        run["load"]["plugin_share"] = {"plugin_share": share, "plugin_us_per_step": 12.0}
+        return run
+
+    # Wall-clock spread of a host-bound step is shown, the measured share decides.
+    row = summarize_load.build_row("1b", "accept", [load_run([1000.0])], [on_run(900.0, 0.0004)])
+    assert (row["status"], row["ratio_on_off_median"]) == ("PASS", 0.9)
+    assert _load_cells(row)["plugin share of a step (us)"] == "0.040% (12)"
+    row = summarize_load.build_row(
+        "1b", "accept", [load_run([1000.0])], [on_run(1000.0, 0.001), on_run(1000.0, 0.03)]
+    )
+    assert row["status"] == "FAIL (plugin share 3.00%)"

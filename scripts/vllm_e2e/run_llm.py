@@ -469,6 +469,15 @@ def run_workload(
             warmup,
             args.load_repeats,
         )
+        if getattr(args, "plugin", None) == "on":
+            import vllm_specgraph
+
+            load["plugin_share"] = workloads.plugin_share(
+                generate,
+                requests[: max(1, len(requests) // 2)],
+                os.path.dirname(vllm_specgraph.__file__) + os.sep,
+                lambda: workloads.read_spec_counters(llm.get_metrics()).get(workloads.ENGINE_STEPS),
+            )
         result["tokens"] = load.pop("tokens")
         result["load"] = load
         result["spec"] = load["spec"]

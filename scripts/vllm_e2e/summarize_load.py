@@ -11,11 +11,15 @@ of each switch, the mean engine-step time (median over the pooled repeats: a
 repeat's wall time over the engine steps vLLM counted) and its ratio, and the
 speculative acceptance over the timed repeats of all runs, what speculation
 gains over the same size group without a speculator (the ``base`` case, plugin
-off), and the plugin commit and the time each row was measured. A row passes when
-every run's greedy tokens, off and on, are the same and the plugin costs at
-most the target: on/off of the medians is at least ``1 - MAX_SLOWDOWN``. A
-ratio above 1 is not checked: the plugin adds no work to a step, so on
-running faster is the runs' spread, and the table shows it as measured.
+off), the plugin's own share of a step (``workloads.plugin_share``: the time in
+the plugin's functions over a profiled generate's, in each plugin-on run), and
+the plugin commit and the time each row was measured. A row passes when every
+run's greedy tokens, off and on, are the same and the plugin costs at most the
+target: its share of a step is at most ``MAX_SLOWDOWN``. Where a step is bound
+by the host (a draft model without graphs launches every kernel from Python),
+tokens/s of one switch spread by more than that from repeat to repeat on a
+shared host, so on/off of the medians is shown, not checked; a row without a
+share measured is checked on it (at least ``1 - MAX_SLOWDOWN``).
 
 Rows an earlier invocation wrote are carried over only if they name the commit
 they were measured on; rows from before commits were recorded are dropped.
@@ -51,6 +55,7 @@ COLUMNS = (
     "step on / off",
     "acceptance off / on",
     "on / no speculator",
+    "plugin share of a step (us)",
     "tokens equal (all runs)",
     "check",
     "commit",
@@ -169,6 +174,13 @@ def build_row(
     rates_off, rates_on = _rates(reps_off), _rates(reps_on)
     ratio = _ratio(rates_on["median"], rates_off["median"])
     step_off, step_on = _median(_known(reps_off, "step_ms")), _median(_known(reps_on, "step_ms"))
+    shares = [(r.get("load") or {}).get("plugin_share") or {} for r in ons]
+    share = max(
+        (s["plugin_share"] for s in shares if s.get("plugin_share") is not None), default=None
+    )
+    share_us = max(
+        (s["plugin_us_per_step"] for s in shares if s.get("plugin_us_per_step")), default=None
+    )
     differing = _tokens_differing(offs, ons)
     equal = None if differing is None else not differing
     (acceptance_off, length_off), (acceptance_on, length_on) = _spec(offs), _spec(ons)
@@ -196,6 +208,8 @@ def build_row(
         "tokens_differing": differing,
         "repeats_equal_off": _all(offs, "repeats_equal"),
         "repeats_equal_on": _all(ons, "repeats_equal"),
+        "plugin_share": share,
+        "plugin_us_per_step": share_us,
         "tokens_per_s_no_speculator": base_rate,
         "ratio_on_no_speculator": _ratio(rates_on["median"], base_rate),
         "gpu_off": _lanes(offs),
@@ -207,10 +221,11 @@ def build_row(
             (r["_measured_utc"] for r in offs + ons if r.get("_measured_utc")), default=None
         ),
     }
-    checks = {
-        "tokens": equal,
-        "ratio": None if ratio is None else ratio >= 1 - MAX_SLOWDOWN,
-    }
+    checks: dict[str, bool | None] = {"tokens": equal}
+    if share is not None:
+        checks["plugin_share"] = share <= MAX_SLOWDOWN
+    else:
+        checks["ratio"] = None if ratio is None else ratio >= 1 - MAX_SLOWDOWN
     row["checks"] = checks
     row["pass"] = all(v is True for v in checks.values())
     reasons = []
@@ -218,9 +233,11 @@ def build_row(
         reasons.append("tokens missing")
     elif differing:
         reasons.append(f"tokens differ: {', '.join(differing)} from off r{round_of(offs[0])}")
-    if ratio is None:
+    if share is not None and not checks["plugin_share"]:
+        reasons.append(f"plugin share {share:.2%}")
+    elif share is None and ratio is None:
         reasons.append("no tokens/s")
-    elif not checks["ratio"]:
+    elif share is None and not checks["ratio"]:
         reasons.append(f"on/off {ratio:.3f}")
     row["status"] = "PASS" if row["pass"] else "FAIL (" + "; ".join(reasons) + ")"
     return row
@@ -247,6 +264,12 @@ def _rates_cell(rates: dict[str, float | None]) -> str:
     return cell
 
 
+def _share_cell(share: float | None, us_per_step: float | None) -> str:
+    if share is None:
+        return "-"
+    return f"{share:.3%}" + ("" if us_per_step is None else f" ({us_per_step:.0f})")
+
+
 def _rounds_cell(rounds: list[dict[str, Any]] | None) -> str:
     if not rounds:
         return "-"
@@ -267,6 +290,7 @@ def row_cells(row: dict[str, Any]) -> list[str]:
         _ratio_cell(row["step_ratio_on_off"]),
         _pair(row["acceptance_off"], row["acceptance_on"], lambda x: f"{x:.3f}"),
         _ratio_cell(row["ratio_on_no_speculator"]),
+        _share_cell(row["plugin_share"], row["plugin_us_per_step"]),
         "-" if row["tokens_equal_on_off"] is None else str(row["tokens_equal_on_off"]),
         row["status"],
         row["commit"] or "-",
@@ -299,10 +323,14 @@ def markdown(doc: dict[str, Any]) -> str:
     out += markdown_grid(COLUMNS, (row_cells(row) for row in doc["rows"]), text_columns=2)
     out += [
         "",
-        "Check: every run's greedy tokens, off and on, in every round, are the same; "
-        "on/off of the median tokens/s over the pooled repeats is at least "
-        f"{1 - MAX_SLOWDOWN:.2f}: the plugin may cost at most {MAX_SLOWDOWN:.0%} "
-        "(above 1 is the runs' spread, not checked).",
+        "Check: every run's greedy tokens, off and on, in every round, are the same, "
+        f"and the plugin costs at most {MAX_SLOWDOWN:.0%} of a step: its share is the "
+        "time in the plugin's own functions over a profiled generate's (cProfile, which "
+        "charges every Python call alike, so the plugin's small calls come out at least "
+        "as large as they are), with the microseconds per engine step it makes. Host-bound "
+        "steps (a draft model without graphs) spread by more than that from repeat to "
+        "repeat, so on/off of the medians is shown with each switch's lowest and best "
+        "repeat, and checked only where no share was measured.",
         "",
     ]
     return "\n".join(out)

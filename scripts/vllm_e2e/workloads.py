@@ -20,7 +20,9 @@ this module needs neither vLLM nor a GPU and is tested on a CPU.
 
 from __future__ import annotations
 
+import cProfile
 import gc
+import pstats
 import random
 import statistics
 import time
@@ -65,6 +67,7 @@ __all__ = [
     "load_requests",
     "measure_step",
     "peak_requests",
+    "plugin_share",
     "prompts_token_ids",
     "read_spec_counters",
     "run_load",
@@ -195,6 +198,43 @@ def spec_summary(metrics: dict[str, Any]) -> dict[str, Any]:
     if accepted is not None and drafts:
         out["mean_acceptance_length"] = round(1 + accepted / drafts, 3)
     return out
+
+
+def plugin_share(
+    generate: Generate,
+    requests: list[Request],
+    package_dir: str,
+    read_steps: Callable[[], int | None],
+) -> dict[str, Any]:
+    """What the code under ``package_dir`` costs a step: one generate of ``requests``
+    under ``cProfile``, and the time spent in that package's own functions (their
+    ``tottime``) over the whole generate's.
+
+    The profiler charges each Python call alike, so a package of small calls, as
+    the plugin's hot path is, comes out at least as large as it is: an upper
+    bound that the spread of wall-clock runs does not blur. ``read_steps``: the
+    engine steps so far (``ENGINE_STEPS``)."""
+    profiler = cProfile.Profile()
+    steps_before = read_steps()
+    profiler.enable()
+    generate(requests)
+    profiler.disable()
+    steps = (read_steps() or 0) - (steps_before or 0)
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, calls, tottime, cumtime, _)
+    total = sum(tottime for _, _, tottime, _, _ in stats.values())
+    ours = {key: value for key, value in stats.items() if key[0].startswith(package_dir)}
+    seconds = sum(tottime for _, _, tottime, _, _ in ours.values())
+    calls = sum(calls for _, calls, _, _, _ in ours.values())
+    top = sorted(ours.items(), key=lambda kv: -kv[1][2])[:5]
+    return {
+        "profiled_s": round(total, 4),
+        "plugin_s": round(seconds, 6),
+        "plugin_share": round(seconds / total, 6) if total else None,
+        "engine_steps": steps,
+        "plugin_calls_per_step": round(calls / steps, 2) if steps else None,
+        "plugin_us_per_step": round(1e6 * seconds / steps, 2) if steps else None,
+        "plugin_top": [f"{name} {1e6 * v[2]:.0f} us / {v[1]} calls" for (_, _, name), v in top],
+    }
 
 
 def run_load(
