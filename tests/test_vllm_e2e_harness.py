@@ -1785,3 +1785,24 @@ def test_load_row_checks_the_plugin_share_where_it_was_measured():
         "1b", "accept", [load_run([1000.0])], [on_run(1000.0, 0.001), on_run(1000.0, 0.03)]
     )
     assert row["status"] == "FAIL (plugin share 3.00%)"
+
+
+def test_load_rows_never_pool_runs_of_another_workload():
+    def run(rate: float, requests: int, tokens: list) -> dict:
+        r = load_run([rate], tokens=tokens)
+        r["load"]["num_requests"] = requests
+        return r
+
+    runs = {
+        ("1b", "accept", "off"): [run(100.0, 128, [[1]])],
+        ("1b", "accept", "on"): [run(99.0, 128, [[1]]), run(50.0, 96, [[2]])],
+        ("1b", "base", "off"): [run(40.0, 128, [[3]]), {"ok": False, "stage": "init"}],
+    }
+    rows = summarize.load_rows(runs)
+    assert [(r["case"], r["num_requests"], r["runs_off"], r["runs_on"]) for r in rows] == [
+        ("base", 128, 1, 0),
+        ("accept", 96, 0, 1),
+        ("accept", 128, 1, 1),
+    ]
+    assert rows[2]["tokens_equal_on_off"] is True and rows[2]["ratio_on_off_median"] == 0.99
+    assert rows[2]["tokens_per_s_no_speculator"] == 40.0

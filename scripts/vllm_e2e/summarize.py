@@ -681,20 +681,31 @@ def memory_rows(runs: dict[Key, Run]) -> list[dict]:
 
 
 def load_rows(runs: dict[Key, list[Run]]) -> list[dict]:
-    """One row per (size group, case); a speculative row also gets its group's
-    no-speculator figures (the ``base`` case, plugin off), if they ran."""
-    pairs = sorted(
-        {(g, c) for g, c, _ in runs}, key=lambda p: (group_order(p[0]), CASES.index(p[1]))
-    )
+    """One row per (size group, case, requests per generate): runs of other
+    workloads are never pooled. A speculative row also gets its group's
+    no-speculator figures (the ``base`` case, plugin off, same requests), if they ran."""
+
+    def requests_of(r: Run) -> int | None:
+        return (r.get("load") or {}).get("num_requests")
+
+    def of(group: str, case: str, switch: str, n: int | None) -> list[Run]:
+        return [r for r in runs.get((group, case, switch), []) if requests_of(r) == n]
+
+    measured = {(g, c, requests_of(r)) for (g, c, _), rs in runs.items() for r in rs}
+    # A run that stopped before its repeats has no workload of its own: it counts
+    # toward its case's rows (as a run that added nothing), or makes a row alone.
+    keys = {k for k in measured if k[2] is not None}
+    keys |= {k for k in measured if k[2] is None and not any(m[:2] == k[:2] for m in keys)}
+    rows = sorted(keys, key=lambda k: (group_order(k[0]), CASES.index(k[1]), k[2] or 0))
     return [
         summarize_load.build_row(
             g,
             c,
-            runs.get((g, c, "off"), []),
-            runs.get((g, c, "on"), []),
-            None if c == "base" else runs.get((g, "base", "off")),
+            of(g, c, "off", n),
+            of(g, c, "on", n),
+            None if c == "base" else of(g, "base", "off", n),
         )
-        for g, c in pairs
+        for g, c, n in rows
     ]
 
 

@@ -340,18 +340,18 @@ def write(
     rows: list[dict[str, Any]], results_dir: str, previous: str | None = None
 ) -> tuple[str, str]:
     """Write the JSON and Markdown, carrying over rows of ``previous`` (an
-    earlier vllm_load.json of this schema) whose (size, case) this invocation did
-    not run and that name their commit."""
+    earlier vllm_load.json of this schema) whose (size, case, requests) this
+    invocation did not run and that name their commit."""
     rows = list(rows)
     if previous and os.path.exists(previous):
         with open(previous) as f:
             prev = json.load(f)
         if prev.get("schema") in READABLE_SCHEMAS:
-            here = {(r["size"], r["case"]) for r in rows}
+            here = {(r["size"], r["case"], r["num_requests"]) for r in rows}
             rows += [
                 r
                 for r in prev.get("rows", [])
-                if (r["size"], r["case"]) not in here and r.get("commit")
+                if (r["size"], r["case"], r["num_requests"]) not in here and r.get("commit")
             ]
     doc = {
         "schema": SCHEMA,
