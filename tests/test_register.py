@@ -6,7 +6,15 @@ import logging
 import pytest
 
 import vllm_specgraph
+from vllm_specgraph import switches
 from vllm_specgraph.patches import PATCHES
+
+SWITCHES = (
+    "VLLM_SPECGRAPH",
+    "VLLM_SPECGRAPH_FORCE",
+    "VLLM_SPECGRAPH_PROFILE",
+    "VLLM_SPECGRAPH_ALLREDUCE",
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -20,9 +28,10 @@ def fresh_plugin(monkeypatch):
     """
     for patch in PATCHES:
         importlib.import_module(patch.vllm_module)
-    for name in ("VLLM_SPECGRAPH", "VLLM_SPECGRAPH_FORCE"):
+    for name in SWITCHES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(vllm_specgraph, "_patches", None)
+    monkeypatch.setattr(switches, "_current", None)
     yield
     if vllm_specgraph._patches is not None:
         vllm_specgraph._patches.undo()
@@ -104,3 +113,71 @@ def test_register_off_switch_patches_nothing(fresh_plugin, monkeypatch, caplog):
     assert "VLLM_SPECGRAPH=0" in caplog.text
     assert (workspace.WorkspaceManager, model_runner._profile_cudagraph_memory) == before
     assert vllm_specgraph._patches is None
+
+
+@pytest.mark.parametrize("spelling", ["0", "false", "OFF", "False", "off"])
+def test_register_off_switch_accepts_every_off_spelling(fresh_plugin, monkeypatch, spelling):
+    monkeypatch.setenv("VLLM_SPECGRAPH", spelling)
+    assert vllm_specgraph.register() is False
+    assert vllm_specgraph._patches is None
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("VLLM_SPECGRAPH", "no"),
+        ("VLLM_SPECGRAPH", ""),
+        ("VLLM_SPECGRAPH", " 0"),
+        ("VLLM_SPECGRAPH_FORCE", "yes"),
+        ("VLLM_SPECGRAPH_PROFILE", "foo"),
+        ("VLLM_SPECGRAPH_ALLREDUCE", "yes"),
+    ],
+)
+def test_register_refuses_a_switch_value_it_does_not_accept_and_patches_nothing(
+    fresh_plugin, monkeypatch, name, value
+):
+    import vllm.v1.worker.workspace as workspace
+
+    original = workspace.WorkspaceManager
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=rf"^{name}={value!r} is not a value it accepts") as err:
+        vllm_specgraph.register()
+    assert "use one of" in str(err.value) and "or unset it" in str(err.value)
+    assert workspace.WorkspaceManager is original and vllm_specgraph._patches is None
+
+
+def test_register_reads_the_switches_once(fresh_plugin, monkeypatch):
+    from vllm_specgraph.patches.distributed.device_communicators import cuda_communicator
+    from vllm_specgraph.patches.v1.worker.gpu import cudagraph_utils
+
+    monkeypatch.setenv("VLLM_SPECGRAPH_PROFILE", "Extrapolate")
+    monkeypatch.setenv("VLLM_SPECGRAPH_ALLREDUCE", "ON")
+    monkeypatch.setenv("VLLM_SPECGRAPH_FORCE", "true")
+    assert vllm_specgraph.register() is True
+    # A later change to the environment (a worker's own, say) changes nothing.
+    monkeypatch.setenv("VLLM_SPECGRAPH_PROFILE", "not read again")
+    assert cudagraph_utils.profile_mode() == "extrapolate"
+    assert cuda_communicator.allreduce_mode() == "1"
+    assert switches.current_switches() == switches.Switches(
+        enabled=True, force=True, profile="extrapolate", allreduce="1"
+    )
+
+
+def test_register_after_a_failed_arm_does_not_report_armed(fresh_plugin, monkeypatch):
+    """A vLLM whose signature changed under one patch: register() raises, every patch
+    it made before is undone, and a second call raises again rather than report armed."""
+    import vllm.v1.worker.gpu.model_runner as model_runner
+    import vllm.v1.worker.workspace as workspace
+
+    original = workspace.WorkspaceManager
+
+    def init_speculator(config, device):  # vLLM's takes (vllm_config, device, req_states)
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(model_runner, "init_speculator", init_speculator)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="init_speculator: its signature lacks"):
+            vllm_specgraph.register()
+        assert vllm_specgraph._patches is None
+        assert workspace.WorkspaceManager is original
+        assert model_runner.init_speculator is init_speculator

@@ -450,7 +450,9 @@ def test_profile_extrapolate_mode_calls_vllm_profile(vllm_env, vllm_profile_call
     assert env.cudagraph_utils.profile_cudagraph_memory(runner) == 7
     assert vllm_profile_calls == [runner]
     monkeypatch.setenv("VLLM_SPECGRAPH_PROFILE", "exactly")
-    with pytest.raises(ValueError, match=r"VLLM_SPECGRAPH_PROFILE='exactly'.*'exact'"):
+    with pytest.raises(
+        ValueError, match=r"VLLM_SPECGRAPH_PROFILE='exactly'.*'exact', 'extrapolate'"
+    ):
         env.cudagraph_utils.profile_cudagraph_memory(runner)
 
 

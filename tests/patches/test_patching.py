@@ -1,12 +1,13 @@
 """PatchSet and the deferred install of patches, on throwaway modules."""
 
+import importlib
 import inspect
 import sys
 import types
 
 import pytest
 
-from vllm_specgraph.patches._patching import PatchSet, when_imported
+from vllm_specgraph.patches._patching import PatchSet, cancel_pending, when_imported
 
 
 @pytest.fixture
@@ -41,6 +42,14 @@ def test_when_imported_runs_after_the_body_before_importers_bind_names(package):
     assert "return x" in inspect.getsource(late), "the real loader still serves the source"
     patches.undo()
     assert late.answer(1) == 1
+
+
+def test_cancel_pending_forgets_callbacks_of_modules_not_imported_yet(package):
+    seen = []
+    when_imported(f"{package}.late", seen.append)
+    cancel_pending()
+    importlib.import_module(f"{package}.late")
+    assert seen == []
 
 
 def test_when_imported_already_imported_installs_at_once(package):

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
 
-__all__ = ["PatchSet", "when_imported"]
+__all__ = ["PatchSet", "cancel_pending", "when_imported"]
 
 
 class PatchSet:
@@ -150,6 +150,11 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
 
 
 _finder = _PostImportFinder()
+
+
+def cancel_pending() -> None:
+    """Forget every callback :func:`when_imported` still holds for a module not yet imported."""
+    _finder.pending.clear()
 
 
 def when_imported(module_name: str, callback: Callable[[ModuleType], None]) -> None:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -50,13 +49,12 @@ import torch.distributed as dist
 
 from vllm_specgraph.allreduce import Algorithm, PeerAllReduce
 from vllm_specgraph.patches._patching import PatchSet
+from vllm_specgraph.switches import ALLREDUCE_MODES, current_switches
 
 __all__ = ["ALLREDUCE_MODES", "BACKEND_NAME", "allreduce_mode", "install"]
 
 logger = logging.getLogger("vllm.specgraph")
 
-ALLREDUCE_MODES = ("auto", "1", "0")
-"""Values of ``VLLM_SPECGRAPH_ALLREDUCE``: where vLLM has no fast path, always, never."""
 
 BACKEND_NAME = "SPECGRAPH_P2P"
 """The name vLLM's backend-selection line gives the peer all-reduce."""
@@ -73,14 +71,8 @@ _FAST_PATHS = (
 
 
 def allreduce_mode() -> str:
-    """``VLLM_SPECGRAPH_ALLREDUCE``, checked: ``auto`` unless set."""
-    mode = os.environ.get("VLLM_SPECGRAPH_ALLREDUCE", "auto")
-    if mode not in ALLREDUCE_MODES:
-        raise ValueError(
-            f"VLLM_SPECGRAPH_ALLREDUCE={mode!r} is not a mode; use one of {ALLREDUCE_MODES} "
-            "(auto: where vLLM has no fast all-reduce, 1: always, 0: never)"
-        )
-    return mode
+    """``VLLM_SPECGRAPH_ALLREDUCE`` as the plugin read it: ``auto`` unless set."""
+    return current_switches().allreduce
 
 
 def _fast_paths_up(communicator: Any) -> list[str]:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -65,6 +64,7 @@ from vllm_specgraph.profile import (
     live_blocks,
     release_capture_stream_workspaces,
 )
+from vllm_specgraph.switches import PROFILE_MODES, current_switches
 
 if TYPE_CHECKING:
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
@@ -83,9 +83,6 @@ __all__ = [
 
 logger = logging.getLogger("vllm.specgraph")
 
-PROFILE_MODES = ("exact", "extrapolate")
-"""Values of ``VLLM_SPECGRAPH_PROFILE``: the plugin's profile (default) or vLLM's."""
-
 ONE_TIME_THRESHOLD_BYTES = 1 << 20
 """A pass that leaves more than this taken met process state for the first time."""
 
@@ -93,13 +90,8 @@ _MIB = 1 << 20
 
 
 def profile_mode() -> str:
-    """``VLLM_SPECGRAPH_PROFILE``, checked: ``exact`` unless set."""
-    mode = os.environ.get("VLLM_SPECGRAPH_PROFILE", "exact")
-    if mode not in PROFILE_MODES:
-        raise ValueError(
-            f"VLLM_SPECGRAPH_PROFILE={mode!r} is not a profile mode; use one of {PROFILE_MODES}"
-        )
-    return mode
+    """``VLLM_SPECGRAPH_PROFILE`` as the plugin read it: ``exact`` unless set."""
+    return current_switches().profile
 
 
 @dataclass(frozen=True)
