@@ -615,3 +615,29 @@ def test_profile_says_which_bytes_of_its_pass_the_allocator_does_not_hold(vllm_e
         "default_pool_bytes": 0,
         "outside_allocator_bytes": MIB // 2,
     }
+
+
+@pytest.fixture
+def encoder_runner_class():
+    """vLLM's encoder-only runner class, imported before ``vllm_env`` stands in for
+    the module it imports from."""
+    from vllm.v1.worker.mm_encoder_model_runner import MMEncoderModelRunner
+
+    return MMEncoderModelRunner
+
+
+def test_profile_without_graphs_to_capture_returns_zero_as_vllm_does(
+    encoder_runner_class, vllm_env
+):
+    """The modes resolved to none once the minimal KV cache exists (vLLM's encoder-only
+    runner says so always, with its own ``needs_cudagraph_capture``): no capture runs,
+    the pass is torn down, and production's capture is not metered."""
+    env = vllm_env
+    runner = _runner(env)
+    runner.needs_cudagraph_capture = encoder_runner_class.needs_cudagraph_capture.__get__(runner)
+    assert env.cudagraph_utils.profile_cudagraph_memory(runner) == 0
+    names = [e[0] for e in env.events]
+    assert "minimal_kv" in names and "teardown_profiling_state" in names
+    assert "capture_model" not in names
+    assert getattr(runner, "specgraph_profile", None) is None
+    assert env.platform_cls._global_graph_pool == env.production_pool

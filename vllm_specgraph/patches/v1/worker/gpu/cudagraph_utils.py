@@ -106,8 +106,12 @@ class ProfileOutcome:
     expandable_segments_blocker: str | None  # why not, if not
 
 
-def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome:
+def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome | None:
     """Capture every graph ``runner.capture_model()`` will capture, measure, give it all back.
+
+    None when, once the minimal KV cache is set up, the runner has no graph to
+    capture (its modes resolved to none, an encoder-only runner): vLLM's own
+    profile returns 0 there, and so does the plugin's, without a capture.
 
     A pass that leaves memory taken (more than :data:`ONE_TIME_THRESHOLD_BYTES`)
     met process state for the first time: kernel modules loaded on first launch,
@@ -151,6 +155,8 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome:
     blocks_start = live_blocks()
     clock.lap("settle")
     first = _measured_pass(runner, workspace, clock)
+    if first is None:
+        return None
     last, passes = first, 1
     owners, one_time, retained = first.owners, 0, free_start - first.free_after
     if retained > ONE_TIME_THRESHOLD_BYTES:
@@ -184,7 +190,9 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome:
                 _format_owners(first.owners),
                 one_time / _MIB,
             )
-            last, passes = _measured_pass(runner, workspace, clock, suffix=" again"), 2
+            again = _measured_pass(runner, workspace, clock, suffix=" again")
+            assert again is not None, "the first pass found graphs to capture"
+            last, passes = again, 2
             owners, retained = last.owners, first.free_after - last.free_after
     report = GraphMemoryReport(
         owners=owners,
@@ -221,10 +229,11 @@ class _Pass:
 
 def _measured_pass(
     runner: GPUModelRunner, workspace: LaneWorkspace, clock: _PhaseClock, suffix: str = ""
-) -> _Pass:
+) -> _Pass | None:
     """One disposable pass over ``capture_model``: the owners, the free bytes after the
     pass, where the capture's bytes went, whether it ran with expandable segments and
-    the allocator's blocks when the capture began."""
+    the allocator's blocks when the capture began. None, after the pass's teardown,
+    when the runner set up for the minimal KV cache has no graph to capture."""
     from vllm.compilation.counter import compilation_counter
     from vllm.compilation.cudagraph_pool import capture_outside_cumem_pool
     from vllm.config import set_current_vllm_config
@@ -247,6 +256,8 @@ def _measured_pass(
             with set_current_vllm_config(runner.vllm_config):
                 _init_minimal_kv_cache_for_profiling(runner)
             clock.lap("minimal KV cache" + suffix)
+            if not runner.needs_cudagraph_capture():
+                return None
             blocks_before_capture = live_blocks()
             # Production's own path, adaptive-verification runs and lock included
             # (the pass restores the lock): what it measures is what production does.
@@ -428,6 +439,8 @@ def _profile_cudagraph_memory(upstream: Callable[[Any], int]) -> Callable[[Any],
         from vllm_specgraph.patches.v1.worker.gpu.model_runner import SpecgraphCapture
 
         outcome = exact_cudagraph_memory(runner)
+        if outcome is None:
+            return 0
         report, phases = outcome.report, outcome.phase_seconds
         runner.specgraph_profile = SpecgraphCapture(
             estimate=report,
