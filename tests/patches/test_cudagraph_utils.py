@@ -641,3 +641,33 @@ def test_profile_without_graphs_to_capture_returns_zero_as_vllm_does(
     assert "capture_model" not in names
     assert getattr(runner, "specgraph_profile", None) is None
     assert env.platform_cls._global_graph_pool == env.production_pool
+
+
+@pytest.mark.parametrize(("other_rank_asks", "passes"), [(False, 1), (True, 2)])
+def test_profile_measures_again_on_every_rank_when_any_rank_asks(
+    vllm_env, monkeypatch, caplog, other_rank_asks, passes
+):
+    """This rank's readings need one pass; another rank of vLLM's world group (a
+    stand-in: a vote needs several processes) may need two. The vote over the
+    group's CPU group decides, before the second pass's collectives run."""
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state
+
+    cpu_group = object()
+    votes = []
+
+    def all_reduce(tensor, op, group):
+        votes.append((int(tensor.item()), op, group))
+        tensor.fill_(max(int(tensor.item()), int(other_rank_asks)))
+
+    monkeypatch.setattr(parallel_state, "_WORLD", SimpleNamespace(cpu_group=cpu_group))
+    monkeypatch.setattr(dist, "get_world_size", lambda group: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    env = vllm_env
+    runner = _runner(env, one_time_bytes=4 * MIB)  # one pass would do, on this rank
+    with caplog.at_level("INFO", logger="vllm.specgraph"):
+        env.cudagraph_utils.profile_cudagraph_memory(runner)
+    assert votes == [(0, dist.ReduceOp.MAX, cpu_group)]
+    assert (_captures(env), runner.specgraph_profile.profile_passes) == (passes, passes)
+    asked = [r.message for r in caplog.records if "another rank's pass asks" in r.message]
+    assert len(asked) == int(other_rank_asks)

@@ -64,6 +64,7 @@ from vllm_specgraph.profile import (
     live_blocks,
     release_capture_stream_workspaces,
 )
+from vllm_specgraph.ranks import on_any_rank
 from vllm_specgraph.switches import PROFILE_MODES, current_switches
 
 if TYPE_CHECKING:
@@ -159,16 +160,18 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome | None:
         return None
     last, passes = first, 1
     owners, one_time, retained = first.owners, 0, free_start - first.free_after
+    one_pass = True
     if retained > ONE_TIME_THRESHOLD_BYTES:
         one_time, retained = retained, 0
         outside_allocator = sum(o.driver_bytes - o.allocator_bytes for o in first.owners)
         in_allocator = torch.cuda.memory_reserved() - reserved_start
         made_while_capturing = live_blocks() - blocks_start - first.blocks_before_capture
-        if (
+        one_pass = (
             first.expandable_segments
             and not made_while_capturing
             and abs(outside_allocator + in_allocator - one_time) <= ONE_TIME_THRESHOLD_BYTES
-        ):
+        )
+        if one_pass:
             owners = tuple(replace(o, driver_bytes=o.allocator_bytes) for o in first.owners)
             logger.info(
                 "vllm-specgraph: the profiling pass left %.1f MiB with the process: %.1f MiB "
@@ -179,21 +182,24 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome | None:
                 in_allocator / _MIB,
                 _format_owners(owners),
             )
-        else:
-            # A block a capture made and kept, or allocator packing that may differ
-            # (without expandable segments, on an H200, a 1B model's first pass
-            # missed production by a segment): a second pass finds the one-time
-            # state in place, as production will.
-            logger.info(
-                "vllm-specgraph: the first profiling pass took %s and left %.1f MiB with the "
-                "process; measuring again with that state in place",
-                _format_owners(first.owners),
-                one_time / _MIB,
-            )
-            again = _measured_pass(runner, workspace, clock, suffix=" again")
-            assert again is not None, "the first pass found graphs to capture"
-            last, passes = again, 2
-            owners, retained = last.owners, first.free_after - last.free_after
+    # A second pass runs collectives (warm-up all-reduces, channel rendezvous,
+    # rollback barriers): every rank runs it if any rank's readings ask for it.
+    if _on_any_rank_of_the_engine(not one_pass):
+        # A block a capture made and kept, or allocator packing that may differ
+        # (without expandable segments, on an H200, a 1B model's first pass
+        # missed production by a segment), here or on another rank: a second
+        # pass finds the one-time state in place, as production will.
+        logger.info(
+            "vllm-specgraph: the first profiling pass took %s and left %.1f MiB with the "
+            "process%s; measuring again with that state in place",
+            _format_owners(first.owners),
+            one_time / _MIB,
+            "" if not one_pass else " (another rank's pass asks for a second)",
+        )
+        again = _measured_pass(runner, workspace, clock, suffix=" again")
+        assert again is not None, "the first pass found graphs to capture"
+        last, passes = again, 2
+        owners, retained = last.owners, first.free_after - last.free_after
     report = GraphMemoryReport(
         owners=owners,
         one_time_bytes=one_time,
@@ -211,6 +217,14 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome | None:
         last.expandable_segments,
         expandable_segments_blocker(runner.vllm_config),
     )
+
+
+def _on_any_rank_of_the_engine(flag: bool) -> bool:
+    """``flag`` voted over vLLM's world group (every TP, PP and DP rank), on its CPU group."""
+    from vllm.distributed import parallel_state
+
+    world = getattr(parallel_state, "_WORLD", None)
+    return on_any_rank(flag, None if world is None else world.cpu_group)
 
 
 def budget_bytes(report: GraphMemoryReport) -> int:
