@@ -158,9 +158,13 @@ def test_get_simultaneous_bad_ubatch_raises_value_error():
         ws.get_simultaneous(((4,), torch.float32), ubatch=2)
 
 
-def test_get_simultaneous_growth_retires_old_buffer_and_keeps_it_alive():
-    ws = LaneWorkspace("cpu")
-    (small,) = ws.get_simultaneous(((16,), torch.float32))
+def test_get_simultaneous_growth_retires_a_buffer_a_capture_viewed_and_keeps_it_alive():
+    capturing = [False]
+    ws = LaneWorkspace("cpu", is_capturing=lambda: capturing[0])  # a capture needs a GPU
+    ws.get_simultaneous(((16,), torch.float32))  # the eager warm-up sizes the lane
+    capturing[0] = True
+    (small,) = ws.get_simultaneous(((16,), torch.float32))  # a graph takes a view
+    capturing[0] = False
     small_ptr, old_buffer = small.data_ptr(), StorageWeakRef(small.untyped_storage())
     del small  # from here on only the workspace can keep the old buffer alive
     (big,) = ws.get_simultaneous(((4096,), torch.float32))
@@ -173,11 +177,29 @@ def test_get_simultaneous_growth_retires_old_buffer_and_keeps_it_alive():
     assert ws.usage()["draft"].total_bytes == 0
     ws.release_retired()
     assert old_buffer.expired()
+    ws.get_simultaneous(((8192,), torch.float32))
+    assert ws.usage()["target"].retired_bytes == 0, "no capture viewed the grown buffer"
+
+
+def test_get_simultaneous_growth_frees_a_buffer_no_capture_viewed_as_vllm_does():
+    ws = LaneWorkspace("cpu")  # no speculator, no graphs, enforce_eager: vLLM's behaviour
+    (small,) = ws.get_simultaneous(((16,), torch.float32))
+    old_buffer = StorageWeakRef(small.untyped_storage())
+    del small
+    for n in (1 << 10, 1 << 12, 1 << 14):
+        ws.get_simultaneous(((n,), torch.float32))
+    assert old_buffer.expired(), "growth kept a buffer no graph can read"
+    usage = ws.usage()["target"]
+    assert usage.retired_bytes == 0 and usage.live_bytes >= (1 << 14) * 4
 
 
 def test_release_retired_frees_only_retired():
-    ws = LaneWorkspace("cpu")
+    capturing = [False]
+    ws = LaneWorkspace("cpu", is_capturing=lambda: capturing[0])
     ws.get_simultaneous(((16,), torch.float32))
+    capturing[0] = True
+    ws.get_simultaneous(((16,), torch.float32))  # a graph viewed it
+    capturing[0] = False
     ws.get_simultaneous(((1024,), torch.float32))
     retired = ws.usage()["target"].retired_bytes
     assert ws.release_retired() == retired > 0
@@ -253,6 +275,22 @@ def test_rollback_restores_buffers_retired_and_persistent():
     assert ws.usage() == usage_before
     (after,) = ws.get_simultaneous(((16,), torch.float32))
     assert after.data_ptr() == before.data_ptr()
+
+
+def test_rollback_forgets_the_captures_of_the_graphs_it_outlives():
+    """A disposable profile's graphs viewed the buffer; once they are destroyed and the
+    lanes rolled back, no graph reads it, and the next growth frees it."""
+    capturing = [False]
+    ws = LaneWorkspace("cpu", is_capturing=lambda: capturing[0])
+    ws.get_simultaneous(((16,), torch.float32))
+    checkpoint = ws.checkpoint()
+    capturing[0] = True
+    ws.get_simultaneous(((16,), torch.float32))
+    capturing[0] = False
+    ws.rollback(checkpoint)
+    del checkpoint  # the checkpoint's own reference
+    ws.get_simultaneous(((4096,), torch.float32))
+    assert ws.usage()["target"].retired_bytes == 0
 
 
 def test_rollback_foreign_checkpoint_raises_value_error():
@@ -407,9 +445,9 @@ def test_lane_thread_runs_in_starting_lane_plain_thread_does_not():
 
 @pytest.mark.parametrize("request_kind", ["scratch", "persistent"])
 def test_growth_during_capture_refused_naming_caller_nothing_added(monkeypatch, request_kind):
-    ws = LaneWorkspace("cuda")  # never allocates here: the request is refused first
+    # Never allocates here: the request is refused first. A capture needs a GPU.
+    ws = LaneWorkspace("cuda", is_capturing=lambda: True)
     before = ws.usage()
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with use_owner("draft"), pytest.raises(WorkspaceLockedError) as info:
         if request_kind == "scratch":
             ws.get_simultaneous(((1024,), torch.float32))

@@ -8,9 +8,11 @@ gives each execution owner (target, draft, ...) its own lane, and each
 
 * :func:`use_owner` selects the owner for the current execution context
   (thread or asyncio task); :class:`LaneWorkspace` resolves it to a lane.
-* Growth never frees: the outgrown buffer is *retired* and kept alive until
+* Growth never frees a buffer a graph may still read: a buffer that handed out
+  views during a capture is *retired* when it is outgrown and kept alive until
   the caller says, through :meth:`LaneWorkspace.release_retired`, that the
-  graphs which took views of it are destroyed.
+  graphs which took views of it are destroyed. A buffer no capture viewed is
+  freed on growth, as vLLM's own manager does.
 * :meth:`LaneWorkspace.lock` turns any further growth into an error that names
   the caller, so a late allocation cannot silently move memory under a graph.
 * Growth during a capture is refused, naming the caller: the new buffer would
@@ -174,6 +176,7 @@ class LaneCheckpoint:
 @dataclass(frozen=True)
 class _SlotState:
     buffer: torch.Tensor | None
+    captured: bool
     retired: tuple[torch.Tensor, ...]
     persistent: tuple[tuple[Hashable, object], ...]
 
@@ -181,11 +184,14 @@ class _SlotState:
 @dataclass
 class _Slot:
     buffer: torch.Tensor | None = None
+    captured: bool = False  # ``buffer`` handed out views during a capture
     retired: list[torch.Tensor] = field(default_factory=list)
     persistent: dict[Hashable, object] = field(default_factory=dict)
 
     def state(self) -> _SlotState:
-        return _SlotState(self.buffer, tuple(self.retired), tuple(self.persistent.items()))
+        return _SlotState(
+            self.buffer, self.captured, tuple(self.retired), tuple(self.persistent.items())
+        )
 
 
 def _caller_location() -> str:
@@ -211,6 +217,8 @@ class LaneWorkspace:
 
         ubatch_id: which micro-batch the calling thread runs, for calls that
             pass no ``ubatch`` (vLLM passes its dual-batch-overlap ubatch id).
+        is_capturing: whether the calling thread's stream is capturing a graph;
+            by default CUDA's answer on a CUDA device, else never.
 
     *Owns*: every buffer, retired buffer and persistent tensor it hands views of.
     *Borrows*: nothing. Callers hold views only while the workspace lives.
@@ -230,6 +238,7 @@ class LaneWorkspace:
         num_lanes: int | None = None,
         alloc_context: Callable[[], AbstractContextManager[object]] = nullcontext,
         ubatch_id: Callable[[], int] = lambda: 0,
+        is_capturing: Callable[[], bool] | None = None,
     ) -> None:
         if num_ubatches is None:
             num_ubatches = 1
@@ -249,6 +258,11 @@ class LaneWorkspace:
         self.owner_lanes: Mapping[str, int] = dict(owner_lanes)
         self._alloc_context = alloc_context
         self._ubatch_id = ubatch_id
+        if is_capturing is None:
+            # bool() is False and costs no Python call on the request path.
+            cuda = self.device.type == "cuda"
+            is_capturing = torch.cuda.is_current_stream_capturing if cuda else bool
+        self._is_capturing = is_capturing
         self._slots = {(u, lane): _Slot() for u in range(num_ubatches) for lane in range(num_lanes)}
         self._locked = False
         self._serial = next(self._serials)
@@ -323,6 +337,8 @@ class LaneWorkspace:
         buffer = slot.buffer
         if buffer is None or buffer.numel() < end:
             buffer = self._grow(slot, end, owner, lane, ubatch)
+        if not slot.captured and self._is_capturing():
+            slot.captured = True  # a graph now reads this buffer: keep it when outgrown
         return [
             buffer[start : start + n].view(dtype).view(shape)
             for (shape, dtype), start, n in zip(shapes_and_dtypes, starts, nbytes, strict=True)
@@ -339,6 +355,14 @@ class LaneWorkspace:
                 f"(owner={owner!r}, lane={lane}, ubatch={ubatch}, held={held} bytes); "
                 "size the workspace during warm-up, before capture and lock()"
             )
+        if slot.buffer is not None:
+            if slot.captured:
+                slot.retired.append(slot.buffer)  # a captured graph may still read it
+            else:
+                # No graph viewed it: free it before the new one is made, as vLLM does.
+                slot.buffer = None
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
         with self._alloc_context():
             storage = torch.empty(
                 required + ALIGNMENT_BYTES - 1, dtype=torch.uint8, device=self.device
@@ -346,17 +370,15 @@ class LaneWorkspace:
         # Keep only the aligned part, so every view's offset is a multiple of the
         # alignment; the slice keeps the whole allocation alive.
         start = (-storage.data_ptr()) % ALIGNMENT_BYTES
-        if slot.buffer is not None:
-            # A captured graph may still point into the old buffer: keep it.
-            slot.retired.append(slot.buffer)
         slot.buffer = storage[start : start + required]
+        slot.captured = False
         return slot.buffer
 
     def _refusal(self) -> str:
         """Why no memory may be added now ("" if it may)."""
         if self._locked:
             return "locked"
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if self._is_capturing():
             return "in a CUDA-graph capture"
         return ""
 
@@ -484,6 +506,7 @@ class LaneWorkspace:
         for key, state in checkpoint.slots:
             slot = self._slots[key]
             slot.buffer = state.buffer
+            slot.captured = state.captured
             slot.retired = list(state.retired)
             slot.persistent = dict(state.persistent)
 

@@ -23,6 +23,10 @@ def test_release_cuda_graphs_then_frees_retired_buffers(monkeypatch, install_pat
     workspace_module.init_workspace_manager(torch.device("cpu"), 1, 1)
     manager = workspace_module.current_workspace_manager()
     manager.get_simultaneous(((64,), torch.float32))
+    # A graph viewed the buffer (a stand-in for a capture, which needs a GPU).
+    monkeypatch.setattr(manager, "_is_capturing", lambda: True)
+    manager.get_simultaneous(((64,), torch.float32))
+    monkeypatch.setattr(manager, "_is_capturing", bool)
     manager.get_simultaneous(((4096,), torch.float32))  # the outgrown buffer is retired
     executor._release_cuda_graphs(executor.__new__(executor))
     assert calls == [("graphs released", True)], "vLLM's release runs first"

@@ -26,16 +26,22 @@ def test_init_workspace_manager_builds_the_core_workspace_with_vllm_arguments(wo
     assert manager.owner_lanes == {"target": 0, "draft": 1}
 
 
-def test_use_workspace_lane_selects_the_core_lane_and_growth_retires(workspace):
+def test_use_workspace_lane_selects_the_core_lane_and_growth_retires(workspace, monkeypatch):
     workspace.init_workspace_manager(torch.device("cpu"), 1, 2)
     manager = workspace.current_workspace_manager()
     (target,) = manager.get_simultaneous(((64,), torch.float32))
     with workspace.use_workspace_lane(1):
+        manager.get_simultaneous(((64,), torch.float32))
+        # A draft graph takes a view (a stand-in for a capture, which needs a GPU).
+        monkeypatch.setattr(manager, "_is_capturing", lambda: True)
         (draft,) = manager.get_simultaneous(((64,), torch.float32))
+        monkeypatch.setattr(manager, "_is_capturing", bool)
         (grown,) = manager.get_simultaneous(((4096,), torch.float32))
     assert target.data_ptr() != draft.data_ptr()
     assert manager.usage()["draft"].retired_bytes > 0, "vLLM freed here; the core retires"
     assert grown.numel() == 4096
+    manager.get_simultaneous(((4096,), torch.float32))
+    assert manager.usage()["target"].retired_bytes == 0, "no graph viewed it: freed, as vLLM"
 
 
 def test_lane_beyond_configured_raises_naming_the_fix(workspace):

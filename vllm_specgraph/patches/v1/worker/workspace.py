@@ -9,8 +9,10 @@ This patch changes: ``WorkspaceManager`` is the core's
 :class:`~vllm_specgraph.lanes.LaneWorkspace` (same interface), and
 ``use_workspace_lane`` is the core's :func:`~vllm_specgraph.lanes.use_lane`,
 so there is one workspace and one lane selector. Growth retires the old
-buffer instead of freeing it, and growth during a capture is refused with an
-error naming the caller (vLLM warms up each graph eagerly right before
+buffer instead of freeing it where a capture took views of it (a graph may
+still read it), and frees it as vLLM does where none did (no graphs, the
+eager warm-up, a lane no capture used yet); growth during a capture is refused
+with an error naming the caller (vLLM warms up each graph eagerly right before
 capturing it, so a correct caller never grows there).
 
 Why: a freed buffer that a captured graph still reads is reused by the next
