@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -140,7 +141,15 @@ def test_format_report_sets_the_plugin_next_to_vllm_alone():
     assert "4,842,384   4,842,384" in text and "38.4 s   12.2 s" in text
     assert "3.10 s / 1.10 s" in text
     assert "greedy tokens equal, plugin off and on: True" in text
-    assert lines[-1] == "  [1, 2, 3]"
+    assert lines[-5] == "  [1, 2, 3]"
+    assert lines[-3:] == [
+        "* Graph memory: vLLM budgeted 41.0 MiB, the plugin 36.0 MiB, for 36.0 MiB the graphs "
+        "took; at rest the engine held +27.0 MiB beyond its memory budget without the plugin, "
+        "+0.0 MiB with it.",
+        "* Start-up, both engines after a warm-up engine compiled the kernels: 38.4 s without "
+        "the plugin, 12.2 s with it (its exact profile captures every graph once more).",
+        "* Outputs: greedy tokens equal with the plugin off and on.",
+    ]
     alone = vllm_demo.format_report(on)
     assert "vLLM alone" not in alone and "greedy tokens equal" not in alone
 
@@ -167,7 +176,13 @@ def test_main_runs_both_engines_and_compares_tokens(tmp_path, capsys, monkeypatc
 
     monkeypatch.setattr(subprocess, "run", fake_child)
     assert vllm_demo.main(["--out-dir", str(tmp_path)]) == 0
-    assert [c[c.index("--child") + 1] for c in commands] == ["on", "off"]
+    # A warm-up engine compiles the kernels first, so the two compared start alike.
+    assert [c[c.index("--child") + 1] for c in commands] == ["off", "on", "off"]
+    assert [Path(c[c.index("--out") + 1]).name for c in commands] == [
+        "warm-up.json",
+        "on.json",
+        "off.json",
+    ]
     assert "greedy tokens equal, plugin off and on: True" in capsys.readouterr().out
     tokens["off"] = [[9]]
     assert vllm_demo.main(["--out-dir", str(tmp_path)]) == 1
