@@ -4,7 +4,7 @@
 
 JSON defaults to bench/results/vllm_graph_memory.json; SIZEs pick the rows to
 draw by their size group (tiny, 1b, 1b-small, ...; tight-memory rows are not
-drawn), all by default.
+drawn), by default those at vLLM's default capture sizes (the README's plot).
 
 Reads the JSON that scripts/vllm_e2e/summarize.py writes from the runs on the
 GPU machine and writes a PNG next to it: for each (size, speculator), with the
@@ -44,7 +44,8 @@ def main(path: str, sizes: list[str]) -> str:
         ("with vllm-specgraph: taken", "taken_on_bytes", "#1f618d", "//"),
     ]
     width = 0.2
-    fig, ax = plt.subplots(figsize=(max(8.0, 1.6 * len(rows) + 3), 4.4))
+    # At most 10 inches wide: legible at the width a README is shown at.
+    fig, ax = plt.subplots(figsize=(min(10.0, 0.75 * len(rows) + 2), 4.6))
     for i, (name, key, color, hatch) in enumerate(series):
         xs = [x + (i - 1.5) * width for x in range(len(rows))]
         ax.bar(xs, [r[key] / MIB for r in rows], width, label=name, color=color, hatch=hatch)
@@ -57,7 +58,7 @@ def main(path: str, sizes: list[str]) -> str:
             va="bottom",
             fontsize=8,
         )
-    ax.set_xticks(range(len(rows)), labels)
+    ax.set_xticks(range(len(rows)), labels, fontsize=8)
     ax.set_ylabel("MiB (driver level)")
     ax.set_title(
         "CUDA-graph memory: budgeted before the KV cache vs taken\n"
@@ -72,5 +73,6 @@ def main(path: str, sizes: list[str]) -> str:
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:] or ["bench/results/vllm_graph_memory.json"]
+    # The README's plot: the size groups at vLLM's default capture sizes.
+    args = sys.argv[1:] or ["bench/results/vllm_graph_memory.json", "tiny", "tiny-tp2", "1b"]
     print(main(args[0], args[1:]))

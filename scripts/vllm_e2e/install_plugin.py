@@ -5,7 +5,7 @@ its ``vllm.general_plugins`` entry point resolves to that copy.
     python3 install_plugin.py REPO SITE
 
 Runs on the GPU machine (no package index there). The package is built from a
-clean staged copy (pyproject.toml, README.md, LICENSE files, the package dirs),
+clean staged copy (pyproject.toml, README.md, docs/package.md, LICENSE files, the package dirs),
 so no ``build/`` or ``*.egg-info`` left in the repository can leak into it, with
 ``pip install --no-index --no-deps --no-build-isolation --target SITE``. If pip
 cannot build it (for instance a setuptools older than pyproject.toml asks for),
@@ -32,13 +32,21 @@ import tomllib
 GROUP = "vllm.general_plugins"
 NAME = "specgraph"
 PACKAGE = "vllm_specgraph"
-STAGED_FILES = ("pyproject.toml", "setup.cfg", "setup.py", "MANIFEST.in", "README.md")
+STAGED_FILES = (
+    "pyproject.toml",
+    "setup.cfg",
+    "setup.py",
+    "MANIFEST.in",
+    "README.md",
+    "docs/package.md",  # pyproject.toml's readme: the package description
+)
 
 
 def stage(repo: str, dst: str) -> None:
     for name in STAGED_FILES:
         if os.path.exists(os.path.join(repo, name)):
-            shutil.copy2(os.path.join(repo, name), dst)
+            os.makedirs(os.path.dirname(os.path.join(dst, name)), exist_ok=True)
+            shutil.copy2(os.path.join(repo, name), os.path.join(dst, name))
     for path in glob.glob(os.path.join(repo, "LICEN[CS]E*")):
         shutil.copy2(path, dst)
     shutil.copytree(
