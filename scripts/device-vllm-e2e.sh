@@ -236,7 +236,7 @@ nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version --form
 if [ "$MODE" = demo ]; then
   left=$(( BUDGET - ($(date +%s) - t0) - RESERVE ))
   ( cd "$W/cwd" && CUDA_VISIBLE_DEVICES="${LANES[0]}" exec timeout -k 10 "$left" \
-      python3 -m vllm_specgraph.demo.vllm_demo --configs "$REPO/configs" --out-dir "$OUTDIR/demo" ) \
+      python3 -m vllm_specgraph.demo.vllm_demo --out-dir "$OUTDIR/demo" ) \
     2>&1 | tee "$OUTDIR/demo.log"
   rc=${PIPESTATUS[0]}
   ( cd "$W/cwd" && CUDA_VISIBLE_DEVICES="${LANES[0]}" exec python3 -m vllm_specgraph.selfcheck ) \

@@ -18,7 +18,7 @@ import torch
 from vllm_specgraph.demo import vllm_demo
 
 MiB = 1 << 20
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+CONFIGS = os.path.join(os.path.dirname(vllm_demo.__file__), "configs")
 
 
 def test_child_env_turns_the_plugin_on_and_off():

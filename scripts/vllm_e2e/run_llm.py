@@ -55,6 +55,7 @@ and this script reads each rank's figures back with ``llm.collective_rpc`` into
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -77,6 +78,11 @@ from workloads import prompts_token_ids, spec_summary  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(HERE))
 CONFIGS = os.path.join(REPO, "configs")
+# The tiny model's configs ship with the package, for its demo: found where the
+# package is installed (found, not imported: nothing may load before set_env).
+DEMO_CONFIGS = os.path.join(
+    importlib.util.find_spec("vllm_specgraph.demo").submodule_search_locations[0], "configs"
+)
 
 MiB = 1 << 20
 CASES = ("base", "draft", "accept", "ngram", "eagle")
@@ -98,9 +104,9 @@ RANK_DIR_ENV = "E2E_RANK_DIR"
 # capture_sizes None means vLLM's default capture sizes.
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {
-        "model": "tiny-llama",
-        "draft": "tiny-llama-draft",
-        "eagle": "tiny-llama-draft",  # the same 1-layer Llama config
+        "model": os.path.join(DEMO_CONFIGS, "tiny-llama"),
+        "draft": os.path.join(DEMO_CONFIGS, "tiny-llama-draft"),
+        "eagle": os.path.join(DEMO_CONFIGS, "tiny-llama-draft"),  # the same 1-layer config
         "dtype": "float32",
         "capture_sizes": [1, 2, 4, 8, 16, 32],
         "max_num_seqs": 8,

@@ -13,7 +13,7 @@ records. The engine settings need no compiled vLLM op (Triton attention, native
 layers, no torch.compile), so the same demo runs on a GPU machine without a vLLM
 install: ``MODE=demo bash scripts/device-vllm-e2e.sh``.
 
-*Requires*: CUDA and vLLM 0.33.x importable; ``configs/`` of this repository.
+*Requires*: CUDA and vLLM 0.33.x importable. The model configs ship with the package.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ _MIB = 1 << 20
 NUM_SPECULATIVE_TOKENS = 3
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32]
 PLUGIN_GROUP, PLUGIN_NAME = "vllm.general_plugins", "specgraph"
-_DEFAULT_CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
+_DEFAULT_CONFIGS = os.path.join(os.path.dirname(__file__), "configs")  # package data
 
 
 def child_env(switch: str) -> dict[str, str]:
@@ -306,7 +306,7 @@ def _missing_requirements(configs: str) -> str | None:
     if not found.startswith("0.33"):
         return f"the vLLM demo needs vLLM 0.33.x; found {found}"
     if not os.path.exists(os.path.join(configs, "tiny-llama", "config.json")):
-        return f"no tiny-llama config under {configs}; pass --configs <repository>/configs"
+        return f"no tiny-llama config under {configs}; pass --configs a folder that holds one"
     return None
 
 
