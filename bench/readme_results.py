@@ -43,7 +43,9 @@ def _mib(value: Any) -> str:
 
 
 def _when(row: dict[str, Any]) -> str:
-    return f"{row.get('measured_utc') or '-'}, {row.get('commit') or '-'}"
+    if not row.get("measured_utc"):
+        return "older code, date not recorded"
+    return f"{row['measured_utc']}, {row.get('commit') or '-'}"
 
 
 def _memory_rows(doc: dict[str, Any]) -> list[str]:
