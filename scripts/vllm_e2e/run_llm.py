@@ -569,6 +569,11 @@ def main() -> int:
         args.gpu_mem_util = tight["gpu_memory_utilization"]
 
     env = set_env(args.plugin, args.allocator)
+    if args.tp > 1 and not args.custom_all_reduce:
+        # Custom all-reduce is off only because its compiled library is not carried;
+        # the plugin then keeps vLLM's choice unless asked for its own by name.
+        os.environ.setdefault("VLLM_SPECGRAPH_ALLREDUCE", "1")
+        env["VLLM_SPECGRAPH_ALLREDUCE"] = os.environ["VLLM_SPECGRAPH_ALLREDUCE"]
     plugin_log: list[str] = []
     result: dict[str, Any] = {
         "size": args.size,

@@ -54,16 +54,26 @@ def env(install_patch, monkeypatch):
         out.copy_(staged)
 
     monkeypatch.setattr(allreduce_module, "_run_symm_mem_op", copy_kernel)
-    # Two GPUs on one node with peer access, as on the machine the GPU runs use.
-    topology = SimpleNamespace(same_node=True, peer_access=True)
+    # Two GPUs on one node with peer access, as on the machine the GPU runs use; the
+    # group's ranks sit on GPUs 0 and 1 of the four this rank sees.
+    topology = SimpleNamespace(same_node=True, peer_access=True, group_devices=[0, 1])
     import vllm.distributed.parallel_state as parallel_state
+
+    from vllm_specgraph.patches.distributed.device_communicators import cuda_communicator as patch
+
+    monkeypatch.setattr(patch, "_group_devices", lambda group, this: topology.group_devices)
+    monkeypatch.setattr(parallel_state, "_ENABLE_CUSTOM_ALL_REDUCE", True)
 
     monkeypatch.setattr(
         parallel_state, "in_the_same_node_as", lambda pg, source_rank=0: [topology.same_node]
     )
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: topology.peer_access)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(
+        torch.cuda,
+        "can_device_access_peer",
+        lambda a, b: topology.peer_access and b in topology.group_devices,
+    )
     recorder = _LineRecorder()
     monkeypatch.setattr(module, "logger", recorder)
     monkeypatch.delenv("VLLM_SPECGRAPH_ALLREDUCE", raising=False)
@@ -255,3 +265,52 @@ def test_reachability_is_a_vote_one_rank_without_peer_access_turns_it_off_on_bot
 
     mp.spawn(_vote_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["False", "False"]
+
+
+def test_auto_respects_a_user_who_disabled_custom_all_reduce(env, monkeypatch, caplog):
+    import vllm.distributed.parallel_state as parallel_state
+
+    monkeypatch.setattr(parallel_state, "_ENABLE_CUSTOM_ALL_REDUCE", False)
+    with caplog.at_level("INFO", logger="vllm.specgraph"):
+        assert _communicator(env.module).specgraph_all_reduce is None
+    assert any("custom all-reduce is disabled" in r.message for r in caplog.records)
+    monkeypatch.setenv("VLLM_SPECGRAPH_ALLREDUCE", "1")  # asked for by name: taken
+    assert _communicator(env.module).specgraph_all_reduce is not None
+
+
+def test_auto_counts_vllms_nccl_symmetric_memory_as_a_fast_path(env, monkeypatch):
+    from vllm.distributed.device_communicators import pynccl_allocator
+
+    monkeypatch.setattr(pynccl_allocator, "is_symmetric_memory_enabled", lambda: True)
+    monkeypatch.setattr(env.module, "is_symmetric_memory_enabled", lambda: True, raising=False)
+    communicator = env.module.CudaCommunicator.__new__(env.module.CudaCommunicator)
+    for name in ("fi_pcie_ipc_ar_comm", "fi_ar_comm", "qr_comm", "aiter_ar_comm", "ca_comm"):
+        setattr(communicator, name, None)
+    communicator.symm_mem_comm = None
+    communicator.pynccl_comm = SimpleNamespace(disabled=False)
+    communicator.use_aiter_allreduce = False
+    communicator.world_size = 4
+    communicator.unique_name = "tp:0"
+    communicator.device = torch.device("cuda", 0)
+    communicator.device_group = communicator.cpu_group = dist.group.WORLD
+    communicator._log_all_reduce_backend_selection()
+    assert "'NCCL_SYMM_MEM'" in env.lines[0]
+    assert communicator.specgraph_all_reduce is None and env.made == []
+
+
+def test_batch_invariant_keeps_vllms_all_reduce_in_every_mode(env, monkeypatch):
+    from vllm import envs
+
+    monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", True, raising=False)
+    for mode in ("auto", "1"):
+        monkeypatch.setenv("VLLM_SPECGRAPH_ALLREDUCE", mode)
+        assert _communicator(env.module).specgraph_all_reduce is None
+    assert env.made == []
+
+
+def test_peer_access_is_checked_to_the_groups_own_gpus(env):
+    env.topology.group_devices = [0, 1]  # GPUs 2 and 3, out of reach, are not the group's
+    assert _communicator(env.module).specgraph_all_reduce is not None
+    env.topology.group_devices = [0, 3]
+    env.topology.peer_access = False
+    assert _communicator(env.module).specgraph_all_reduce is None

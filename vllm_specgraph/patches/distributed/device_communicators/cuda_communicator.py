@@ -14,10 +14,12 @@ TP group's communicator gets the core's
 :class:`~vllm_specgraph.allreduce.PeerAllReduce` (torch symmetric memory, peer
 loads and stores only, never multicast, one channel per graph capture) at the
 head of its dispatch; vLLM's selection line names it (``SPECGRAPH_P2P``).
-``VLLM_SPECGRAPH_ALLREDUCE`` says when: ``auto`` (default) where none of vLLM's
-fast paths is up, ``1`` always, ``0`` never; in either of the first two only if
-the group's ranks vote that they all sit on one node with peer access between
-their GPUs (``1`` raises otherwise, naming the fix). It serves graph captures
+``VLLM_SPECGRAPH_ALLREDUCE`` says when: ``auto`` (default) where vLLM's selection
+line names no fast path (any backend but NCCL, by vLLM's own rules) and the user
+has not disabled custom all-reduce (``disable_custom_all_reduce``), ``1`` always,
+``0`` never; never under ``VLLM_BATCH_INVARIANT``; in the first two only if the
+group's ranks vote that they all sit on one node, each with peer access to the
+GPUs of the others (``1`` raises otherwise, naming the fix). It serves graph captures
 only: eager calls (prefill, steps without a graph) take vLLM's own chain, since
 launched one by one from the host the peer kernels are slower than NCCL
 (``bench/allreduce.py``). So do inputs it would send to NCCL (dtypes its
@@ -32,7 +34,8 @@ faster than NCCL at every size up to its channel on two H200s
 (``bench/allreduce.py``).
 
 vLLM private names used: ``CudaCommunicator._log_all_reduce_backend_selection``
-(wrapped) and the module's ``logger`` (swapped for the duration of that call);
+(wrapped), the module's ``logger`` (swapped for the duration of that call, to read
+the line vLLM would log) and ``parallel_state._ENABLE_CUSTOM_ALL_REDUCE`` (read);
 the patch adds ``CudaCommunicator.specgraph_all_reduce``.
 """
 
@@ -58,16 +61,8 @@ logger = logging.getLogger("vllm.specgraph")
 
 BACKEND_NAME = "SPECGRAPH_P2P"
 """The name vLLM's backend-selection line gives the peer all-reduce."""
-
-# vLLM's fast paths: (attribute of CudaCommunicator, its name in vLLM's selection line).
-_FAST_PATHS = (
-    ("fi_pcie_ipc_ar_comm", "FLASHINFER_PCIE_IPC"),
-    ("fi_ar_comm", "FLASHINFER"),
-    ("qr_comm", "QUICK_REDUCE"),
-    ("aiter_ar_comm", "AITER_CUSTOM"),
-    ("ca_comm", "CUSTOM"),
-    ("symm_mem_comm", "SYMM_MEM"),
-)
+_NCCL_BACKEND = "PYNCCL"
+"""vLLM's NCCL fallback: every other backend in its line is a fast path."""
 
 
 def allreduce_mode() -> str:
@@ -75,28 +70,30 @@ def allreduce_mode() -> str:
     return current_switches().allreduce
 
 
-def _fast_paths_up(communicator: Any) -> list[str]:
-    up = []
-    for attribute, name in _FAST_PATHS:
-        backend = getattr(communicator, attribute, None)
-        if backend is not None and not backend.disabled:
-            up.append(name)
-    return up
+def _wants_peer_all_reduce(communicator: Any, vllm_backends: list[str]) -> bool:
+    """Whether the TP group's communicator takes the peer all-reduce; ``vllm_backends``
+    are the backends vLLM enabled for it, as its selection line names them.
 
-
-def _wants_peer_all_reduce(communicator: Any) -> bool:
-    """Every rank of the group decides alike: the mode, vLLM's backends and the
-    reachability vote are the same on all of them."""
+    Every rank of the group decides alike: the switches, vLLM's backends and the
+    reachability vote are the same on all of them.
+    """
     from vllm import envs
+    from vllm.distributed import parallel_state
 
     mode = allreduce_mode()
     if mode == "0" or communicator.unique_name.split(":")[0] != "tp":
         return False
     if communicator.world_size < 2 or communicator.device.type != "cuda":
         return False
-    # Its sums are exact at two ranks but the order is not fixed above that.
-    if mode == "auto" and (envs.VLLM_BATCH_INVARIANT or _fast_paths_up(communicator)):
-        return False
+    if envs.VLLM_BATCH_INVARIANT:
+        # Its sums are exact at two ranks but their order is not fixed above that.
+        return _keeps_vllms(communicator, "VLLM_BATCH_INVARIANT is set")
+    if mode == "auto":
+        if not parallel_state._ENABLE_CUSTOM_ALL_REDUCE:
+            return _keeps_vllms(communicator, "custom all-reduce is disabled")
+        fast = [b for b in vllm_backends if b != _NCCL_BACKEND]
+        if fast:
+            return _keeps_vllms(communicator, f"vLLM has fast all-reduce backends {fast}")
     if _peers_reachable(communicator.cpu_group):
         return True
     if mode == "1":
@@ -105,47 +102,61 @@ def _wants_peer_all_reduce(communicator: Any) -> bool:
             "all on this node with peer access between their GPUs, which the peer "
             "all-reduce needs; set VLLM_SPECGRAPH_ALLREDUCE=auto (or 0) to use vLLM's"
         )
-    logger.info(
-        "vllm-specgraph: %s keeps vLLM's all-reduce: its ranks are not all on one node "
-        "with peer access between their GPUs",
-        communicator.unique_name,
+    return _keeps_vllms(
+        communicator, "its ranks are not all on one node with peer access between their GPUs"
     )
+
+
+def _keeps_vllms(communicator: Any, why: str) -> bool:
+    logger.info("vllm-specgraph: %s keeps vLLM's all-reduce: %s", communicator.unique_name, why)
     return False
 
 
 def _peers_reachable(cpu_group: Any) -> bool:
-    """All ranks on one node, each with peer access to every other GPU it sees.
+    """All ranks on one node, each with peer access to the GPU of every other rank.
 
-    Collective over the group's gloo group: a vote, so every rank gets the same answer.
+    Collective over the group's gloo group: each rank's device is gathered, and
+    the answer is a vote, so every rank gets the same one.
     """
     from vllm.distributed.parallel_state import in_the_same_node_as
 
     same_node = all(in_the_same_node_as(cpu_group, source_rank=0))
     this = torch.cuda.current_device()
-    others = (d for d in range(torch.cuda.device_count()) if d != this)
+    others = (d for d in _group_devices(cpu_group, this) if d != this)
     reachable = same_node and all(torch.cuda.can_device_access_peer(this, d) for d in others)
     vote = torch.tensor([int(reachable)])
     dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=cpu_group)
     return bool(vote.item())
 
 
-class _PeerAllReduceListed:
-    """Stands in for vLLM's logger during its selection line: the peer all-reduce comes first."""
+def _group_devices(cpu_group: Any, this: int) -> list[int]:
+    """The CUDA device index of every rank of the group (collective)."""
+    devices: list[Any] = [None] * dist.get_world_size(cpu_group)
+    dist.all_gather_object(devices, this, group=cpu_group)
+    return devices
+
+
+class _SelectionLine:
+    """Stands in for vLLM's logger during its selection line: records the line, logs nothing."""
 
     def __init__(self, vllm_logger: Any) -> None:
         self._logger = vllm_logger
+        self.call: tuple[str, tuple[Any, ...], dict[str, Any]] | None = None
 
-    def info_once(self, message: str, enabled: str, group: str, potential: str, **kw: Any) -> None:
-        self._logger.info_once(
-            message, _listed_first(enabled), group, _listed_first(potential), **kw
-        )
+    def info_once(self, message: str, *args: Any, **kwargs: Any) -> None:
+        self.call = (message, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._logger, name)
 
 
-def _listed_first(backends: str) -> str:
+def _backend_names(rendered: str) -> list[str]:
     # vLLM renders its lists as "['A', 'B']", or "[]".
+    inner = rendered.removeprefix("[").removesuffix("]")
+    return [name.strip().strip("'") for name in inner.split(",") if name.strip()]
+
+
+def _listed_first(backends: str) -> str:
     rest = backends.removeprefix("[").removesuffix("]")
     return f"['{BACKEND_NAME}'" + (f", {rest}]" if rest else "]")
 
@@ -156,18 +167,22 @@ def _wrap_log_selection(
     @functools.wraps(log_selection)
     def _log_all_reduce_backend_selection(self: Any) -> None:
         # vLLM calls this last in __init__, for groups of more than one rank: its own
-        # backends exist, so this is where the peer all-reduce can know it is needed.
+        # backends exist, and its line names the ones it enabled, by its own rules.
         self.specgraph_all_reduce = None
-        if not _wants_peer_all_reduce(self):
-            log_selection(self)
-            return
-        self.specgraph_all_reduce = PeerAllReduce(self.device_group, self.device)
         vllm_logger = cuda_communicator.logger
-        cuda_communicator.logger = _PeerAllReduceListed(vllm_logger)
+        line = _SelectionLine(vllm_logger)
+        cuda_communicator.logger = line
         try:
             log_selection(self)
         finally:
             cuda_communicator.logger = vllm_logger
+        if line.call is None:  # vLLM logged nothing: nothing to decide from
+            return
+        message, (enabled, group, potential), kwargs = line.call
+        if _wants_peer_all_reduce(self, _backend_names(enabled)):
+            self.specgraph_all_reduce = PeerAllReduce(self.device_group, self.device)
+            enabled, potential = _listed_first(enabled), _listed_first(potential)
+        vllm_logger.info_once(message, enabled, group, potential, **kwargs)
 
     return _log_all_reduce_backend_selection
 
