@@ -125,17 +125,12 @@ SIZES: dict[str, dict[str, Any]] = {
         "max_num_batched_tokens": 2048,
         "gpu_memory_utilization": 0.5,
     },
-    "8b": {
-        "model": "llama-8b",
-        "draft": "llama-8b-draft",
-        "eagle": "llama-8b-eagle",
-        "dtype": "bfloat16",
-        "capture_sizes": None,
-        "max_num_seqs": 256,
-        "max_model_len": 1024,
-        "max_num_batched_tokens": 2048,
-        "gpu_memory_utilization": 0.5,
-    },
+}
+# The 8B-class model runs with the 1B model's engine settings.
+SIZES["8b"] = SIZES["1b"] | {
+    "model": "llama-8b",
+    "draft": "llama-8b-draft",
+    "eagle": "llama-8b-eagle",
 }
 
 GRAPH_MODES: dict[str, dict[str, Any]] = {
