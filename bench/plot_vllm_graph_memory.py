@@ -36,7 +36,11 @@ def main(path: str, sizes: list[str]) -> str:
             and r["taken_on_bytes"] is not None
             and (not sizes or r["size"] in sizes)
         ]
-    labels = [f"{r['size']}\n{r['case']}" for r in rows]
+    # A row without the time it was measured comes from older code: say so under it.
+    labels = [
+        f"{r['size']}\n{r['case']}" + ("" if r.get("measured_utc") else "\n(older code)")
+        for r in rows
+    ]
     series = [
         ("vLLM 0.33.0: budgeted", "upstream_estimate_bytes", "#bbbbbb", ""),
         ("vLLM 0.33.0: taken", "taken_off_bytes", "#777777", "//"),
