@@ -161,6 +161,9 @@ case "$ALLOCATOR_TRACE" in
   *) echo "ALLOCATOR_TRACE must be 0 or 1, got '$ALLOCATOR_TRACE'"; exit 2 ;;
 esac
 [ "$MODE" != tight ] || [ "$GRAPHS" = full ] || { echo "MODE=tight runs GRAPHS=full only"; exit 2; }
+case "$LOAD_CORES" in
+  ''|*[!0-9]*|0) echo "LOAD_CORES must be a positive integer, got '$LOAD_CORES'"; exit 2 ;;
+esac
 case "$LOAD_ROUNDS" in
   ''|*[!0-9]*|0) echo "LOAD_ROUNDS must be a positive integer, got '$LOAD_ROUNDS'"; exit 2 ;;
 esac
@@ -201,7 +204,7 @@ for i in "${!LANES[@]}"; do
   fi
 done
 # The plugin commit every run measures (its result keeps it): COMMIT, else this checkout's.
-export SPECGRAPH_COMMIT="${COMMIT:-$(git -C "$REPO" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}"
+export SPECGRAPH_COMMIT="${COMMIT:-$(git -C "$REPO" rev-parse --short=12 HEAD 2>/dev/null || true)}"
 echo "mode $MODE; lanes (CUDA_VISIBLE_DEVICES): ${LANES[*]}; pinned to: ${PIN[*]:-(not pinned)}"
 mkdir -p "$OUTDIR"
 rm -f "$OUTDIR/skipped.txt"

@@ -55,6 +55,16 @@ def test_stage_copies_are_read_from_the_dockerfile():
     assert not any("vllm_specgraph" in s for sources, _ in copies for s in sources)
 
 
+def test_plugin_stage_copies_what_the_package_build_reads():
+    """pip builds the package from the plugin stage's copy: its readme must be there."""
+    import tomllib
+
+    readme = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["readme"]
+    copies = stage_copies((ROOT / "docker" / "Dockerfile").read_text(), "plugin")
+    copied = {s for sources, _ in copies for s in sources}
+    assert {"pyproject.toml", "LICENSE", "vllm_specgraph", readme} <= copied, copied
+
+
 @pytest.mark.vllm
 def test_test_stage_layout_collects_and_runs_the_source_tree_tests(tmp_path):
     workdir, site = tmp_path / "work", tmp_path / "site"

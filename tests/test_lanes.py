@@ -504,3 +504,24 @@ def test_get_simultaneous_accepts_numpy_integer_dimensions_like_vllm():
     assert tuple(view.shape) == (4, 3)
     with pytest.raises(ValueError, match="negative or non-integer dimension"):
         ws.get_simultaneous(((np.int64(-4),), torch.float32))
+
+
+def test_failed_growth_of_a_captured_buffer_leaves_the_slot_as_it_was():
+    capturing, fail = [False], [False]
+
+    @contextmanager
+    def alloc_context():
+        if fail[0]:
+            raise torch.OutOfMemoryError("no memory for the new buffer")
+        yield
+
+    ws = LaneWorkspace("cpu", is_capturing=lambda: capturing[0], alloc_context=alloc_context)
+    ws.get_simultaneous(((16,), torch.float32))
+    capturing[0] = True
+    ws.get_simultaneous(((16,), torch.float32))  # a graph views it
+    capturing[0] = False
+    before = ws.usage()
+    fail[0] = True
+    with pytest.raises(torch.OutOfMemoryError):
+        ws.get_simultaneous(((4096,), torch.float32))
+    assert ws.usage() == before and ws.release_retired() == 0

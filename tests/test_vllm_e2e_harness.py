@@ -336,7 +336,6 @@ def test_size_presets_and_engine_kwargs():
         num_spec=3,
         dtype="bfloat16",
         gpu_mem_util=0.5,
-        cudagraph_mode="FULL",
     )
     kw = run_llm.llm_kwargs(args, run_llm.SIZES["1b"])
     assert "cudagraph_capture_sizes" not in kw["compilation_config"]  # vLLM's defaults
@@ -818,7 +817,6 @@ def test_capture_size_sets():
         num_spec=3,
         dtype="bfloat16",
         gpu_mem_util=0.5,
-        cudagraph_mode="FULL",
         capture="small",
     )
     kw = run_llm.llm_kwargs(args, run_llm.SIZES["1b"])
@@ -1435,7 +1433,6 @@ def _tp_args(tp: int, custom_all_reduce: bool = False) -> SimpleNamespace:
         num_spec=3,
         dtype="float32",
         gpu_mem_util=0.1,
-        cudagraph_mode="FULL",
         tp=tp,
         custom_all_reduce=custom_all_reduce,
     )

@@ -41,9 +41,10 @@ def register() -> bool:
     accept stops start-up here with a ValueError that names it. Idempotent: vLLM
     loads plugins once per process, tests may call it again. An unsupported vLLM
     is left untouched with a warning rather than an error, so a version bump never
-    stops a server from starting. A patch that cannot be installed (vLLM changed
-    under it) raises, and leaves vLLM as it was: nothing stays patched, and a later
-    call tries again rather than report armed.
+    stops a server from starting. A patch that cannot be installed into a module
+    already imported (vLLM changed under it) raises, and nothing stays patched: a
+    later call tries again rather than report armed. One for a module vLLM imports
+    later raises from that import, which then fails.
     """
     global _patches
     switches = read_switches()

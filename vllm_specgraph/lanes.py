@@ -355,14 +355,11 @@ class LaneWorkspace:
                 f"(owner={owner!r}, lane={lane}, ubatch={ubatch}, held={held} bytes); "
                 "size the workspace during warm-up, before capture and lock()"
             )
-        if slot.buffer is not None:
-            if slot.captured:
-                slot.retired.append(slot.buffer)  # a captured graph may still read it
-            else:
-                # No graph viewed it: free it before the new one is made, as vLLM does.
-                slot.buffer = None
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
+        if slot.buffer is not None and not slot.captured:
+            # No graph viewed it: free it before the new one is made, as vLLM does.
+            slot.buffer = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         with self._alloc_context():
             storage = torch.empty(
                 required + ALIGNMENT_BYTES - 1, dtype=torch.uint8, device=self.device
@@ -370,6 +367,8 @@ class LaneWorkspace:
         # Keep only the aligned part, so every view's offset is a multiple of the
         # alignment; the slice keeps the whole allocation alive.
         start = (-storage.data_ptr()) % ALIGNMENT_BYTES
+        if slot.buffer is not None:
+            slot.retired.append(slot.buffer)  # a captured graph may still read it
         slot.buffer = storage[start : start + required]
         slot.captured = False
         return slot.buffer

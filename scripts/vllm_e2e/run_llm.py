@@ -470,7 +470,9 @@ def run_workload(
             warmup,
             args.load_repeats,
         )
-        if getattr(args, "plugin", None) == "on":
+        # At TP > 1 the plugin's hot path runs in the worker processes, out of this
+        # process's profiler's sight: no share is measured there.
+        if getattr(args, "plugin", None) == "on" and getattr(args, "tp", 1) == 1:
             import vllm_specgraph
 
             load["plugin_share"] = workloads.plugin_share(

@@ -325,9 +325,9 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         "Check: every run's greedy tokens, off and on, in every round, are the same, "
         f"and the plugin costs at most {MAX_SLOWDOWN:.0%} of a step: its share is the "
-        "time in the plugin's own functions over a profiled generate's (cProfile, which "
-        "charges every Python call alike, so the plugin's small calls come out at least "
-        "as large as they are), with the microseconds per engine step it makes. Host-bound "
+        "time in the plugin's own Python functions over a profiled generate's (cProfile; "
+        "measured at TP=1, where the plugin runs in the profiled process), with the "
+        "microseconds per engine step it makes. Host-bound "
         "steps (a draft model without graphs) spread by more than that from repeat to "
         "repeat, so on/off of the medians is shown with each switch's lowest and best "
         "repeat, and checked only where no share was measured.",

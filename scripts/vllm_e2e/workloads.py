@@ -210,10 +210,11 @@ def plugin_share(
     under ``cProfile``, and the time spent in that package's own functions (their
     ``tottime``) over the whole generate's.
 
-    The profiler charges each Python call alike, so a package of small calls, as
-    the plugin's hot path is, comes out at least as large as it is: an upper
-    bound that the spread of wall-clock runs does not blur. ``read_steps``: the
-    engine steps so far (``ENGINE_STEPS``)."""
+    It counts the package's Python functions' own time, with the profiler's
+    charge for each of their calls; the C calls they make (a context variable's
+    set and reset, a few per step) are their callees' time and not counted. A
+    reading of host time that the spread of wall-clock runs does not blur.
+    ``read_steps``: the engine steps so far (``ENGINE_STEPS``)."""
     profiler = cProfile.Profile()
     steps_before = read_steps()
     profiler.enable()

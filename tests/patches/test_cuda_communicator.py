@@ -55,13 +55,21 @@ def env(install_patch, monkeypatch):
 
     monkeypatch.setattr(allreduce_module, "_run_symm_mem_op", copy_kernel)
     # Two GPUs on one node with peer access, as on the machine the GPU runs use; the
-    # group's ranks sit on GPUs 0 and 1 of the four this rank sees.
-    topology = SimpleNamespace(same_node=True, peer_access=True, group_devices=[0, 1])
+    # group's ranks sit on GPUs 0 and 1 of the four this rank sees, and GPU 3 is out
+    # of this GPU's reach. GPUs are named by UUID across processes.
+    topology = SimpleNamespace(
+        same_node=True, peer_access=True, group_devices=[0, 1], reachable={0, 1, 2}
+    )
     import vllm.distributed.parallel_state as parallel_state
 
     from vllm_specgraph.patches.distributed.device_communicators import cuda_communicator as patch
 
-    monkeypatch.setattr(patch, "_group_devices", lambda group, this: topology.group_devices)
+    monkeypatch.setattr(
+        patch, "_group_gpus", lambda group, mine: [f"GPU-{d}" for d in topology.group_devices]
+    )
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda index: SimpleNamespace(uuid=f"GPU-{index}")
+    )
     monkeypatch.setattr(parallel_state, "_ENABLE_CUSTOM_ALL_REDUCE", True)
 
     monkeypatch.setattr(
@@ -72,7 +80,7 @@ def env(install_patch, monkeypatch):
     monkeypatch.setattr(
         torch.cuda,
         "can_device_access_peer",
-        lambda a, b: topology.peer_access and b in topology.group_devices,
+        lambda a, b: topology.peer_access and b in topology.reachable,
     )
     recorder = _LineRecorder()
     monkeypatch.setattr(module, "logger", recorder)
@@ -247,6 +255,7 @@ def _vote_worker(rank: int, store_path: str, result_dir: str) -> None:
     torch.cuda.current_device = lambda: rank
     torch.cuda.device_count = lambda: 2
     torch.cuda.can_device_access_peer = lambda this, other: rank == 0
+    torch.cuda.get_device_properties = lambda index: SimpleNamespace(uuid=f"GPU-{index}")
     dist.init_process_group(
         "gloo",
         init_method=f"file://{store_path}",
@@ -261,6 +270,7 @@ def _vote_worker(rank: int, store_path: str, result_dir: str) -> None:
 
 
 def test_reachability_is_a_vote_one_rank_without_peer_access_turns_it_off_on_both(tmp_path):
+    """Two real gloo ranks: their GPUs are gathered by UUID and the verdicts voted."""
     import torch.multiprocessing as mp
 
     mp.spawn(_vote_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
@@ -309,8 +319,9 @@ def test_batch_invariant_keeps_vllms_all_reduce_in_every_mode(env, monkeypatch):
 
 
 def test_peer_access_is_checked_to_the_groups_own_gpus(env):
-    env.topology.group_devices = [0, 1]  # GPUs 2 and 3, out of reach, are not the group's
+    env.topology.group_devices = [0, 1]  # GPU 3, out of reach, is not the group's
     assert _communicator(env.module).specgraph_all_reduce is not None
     env.topology.group_devices = [0, 3]
-    env.topology.peer_access = False
+    assert _communicator(env.module).specgraph_all_reduce is None
+    env.topology.group_devices = [0, 7]  # a GPU this process does not see at all
     assert _communicator(env.module).specgraph_all_reduce is None

@@ -115,25 +115,35 @@ def _keeps_vllms(communicator: Any, why: str) -> bool:
 def _peers_reachable(cpu_group: Any) -> bool:
     """All ranks on one node, each with peer access to the GPU of every other rank.
 
-    Collective over the group's gloo group: each rank's device is gathered, and
-    the answer is a vote, so every rank gets the same one.
+    Collective over the group's gloo group: each rank's GPU is gathered by its
+    UUID (device indices depend on each process's ``CUDA_VISIBLE_DEVICES``), a
+    GPU this process does not see counts as out of reach, and the answer is a
+    vote, so every rank gets the same one.
     """
     from vllm.distributed.parallel_state import in_the_same_node_as
 
     same_node = all(in_the_same_node_as(cpu_group, source_rank=0))
     this = torch.cuda.current_device()
-    others = (d for d in _group_devices(cpu_group, this) if d != this)
-    reachable = same_node and all(torch.cuda.can_device_access_peer(this, d) for d in others)
+    visible = {_gpu_uuid(index): index for index in range(torch.cuda.device_count())}
+    mine = _gpu_uuid(this)
+    others = [visible.get(uuid) for uuid in _group_gpus(cpu_group, mine) if uuid != mine]
+    reachable = same_node and all(
+        index is not None and torch.cuda.can_device_access_peer(this, index) for index in others
+    )
     vote = torch.tensor([int(reachable)])
     dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=cpu_group)
     return bool(vote.item())
 
 
-def _group_devices(cpu_group: Any, this: int) -> list[int]:
-    """The CUDA device index of every rank of the group (collective)."""
-    devices: list[Any] = [None] * dist.get_world_size(cpu_group)
-    dist.all_gather_object(devices, this, group=cpu_group)
-    return devices
+def _gpu_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _group_gpus(cpu_group: Any, mine: str) -> list[str]:
+    """The GPU UUID of every rank of the group (collective)."""
+    gpus: list[Any] = [None] * dist.get_world_size(cpu_group)
+    dist.all_gather_object(gpus, mine, group=cpu_group)
+    return gpus
 
 
 class _SelectionLine:

@@ -157,6 +157,7 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome | None:
     clock.lap("settle")
     first = _measured_pass(runner, workspace, clock)
     if first is None:
+        _on_any_rank_of_the_engine(False)  # the ranks that captured wait for this vote
         return None
     last, passes = first, 1
     owners, one_time, retained = first.owners, 0, free_start - first.free_after
