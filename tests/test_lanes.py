@@ -525,3 +525,43 @@ def test_failed_growth_of_a_captured_buffer_leaves_the_slot_as_it_was():
     with pytest.raises(torch.OutOfMemoryError):
         ws.get_simultaneous(((4096,), torch.float32))
     assert ws.usage() == before and ws.release_retired() == 0
+
+
+def test_rollback_refuses_a_checkpoint_used_or_undone_and_changes_nothing():
+    ws = LaneWorkspace("cpu")
+    ws.get_simultaneous(((16,), torch.float32))
+    first = ws.checkpoint()
+    ws.get_persistent("a", (2,), torch.int32)
+    second = ws.checkpoint()
+    ws.rollback(first)  # undoes what came after, the second checkpoint included
+    usage = ws.usage()
+    for stale in (second, first):
+        with pytest.raises(ValueError, match="take a new checkpoint"):
+            ws.rollback(stale)
+    assert ws.usage() == usage
+    with pytest.raises(TypeError, match="checkpoint must be a LaneCheckpoint, got None"):
+        ws.rollback(None)
+
+
+def test_release_retired_counts_no_bytes_a_live_checkpoint_still_holds():
+    capturing = [False]
+    ws = LaneWorkspace("cpu", is_capturing=lambda: capturing[0])
+    ws.get_simultaneous(((1024,), torch.float32))
+    capturing[0] = True
+    ws.get_simultaneous(((1024,), torch.float32))  # a graph views it
+    capturing[0] = False
+    checkpoint = ws.checkpoint()  # holds that buffer
+    ws.get_simultaneous(((4096,), torch.float32))  # retires it
+    assert ws.usage()["target"].retired_bytes >= 1024 * 4
+    assert ws.release_retired() == 0, "the checkpoint keeps the buffer: nothing freed"
+    ws.rollback(checkpoint)  # brings it back as the live buffer
+    assert ws.usage()["target"].live_bytes >= 1024 * 4
+
+
+def test_get_persistent_same_key_other_dtype_raises_naming_both():
+    ws = LaneWorkspace("cpu")
+    ws.get_persistent("plan", (8,), torch.int32)
+    with pytest.raises(
+        ValueError, match=r"exists as \(8,\)/torch.int32, asked for \(8,\)/torch.int64"
+    ):
+        ws.get_persistent("plan", (8,), torch.int64)

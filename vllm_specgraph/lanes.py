@@ -37,6 +37,7 @@ import itertools
 import operator
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -45,7 +46,7 @@ from typing import TypeVar
 
 import torch
 
-from vllm_specgraph._checks import check_int, check_str
+from vllm_specgraph._checks import check_instance, check_int, check_str
 
 __all__ = [
     "ALIGNMENT_BYTES",
@@ -71,6 +72,8 @@ T = TypeVar("T")
 
 Owner = str | int
 """An owner name, or a lane index chosen directly (vLLM's ``use_workspace_lane``)."""
+
+_checkpoint_tokens = itertools.count()
 
 _current_owner: contextvars.ContextVar[Owner] = contextvars.ContextVar(
     "vllm_specgraph_owner", default="target"
@@ -169,6 +172,7 @@ class LaneCheckpoint:
     """Opaque record of a workspace's buffers, taken by :meth:`LaneWorkspace.checkpoint`."""
 
     workspace_serial: int
+    token: int  # the order checkpoints were taken in, over every workspace
     locked: bool
     slots: tuple[tuple[tuple[int, int], _SlotState], ...]
 
@@ -266,6 +270,11 @@ class LaneWorkspace:
         self._slots = {(u, lane): _Slot() for u in range(num_ubatches) for lane in range(num_lanes)}
         self._locked = False
         self._serial = next(self._serials)
+        # Checkpoints a rollback may still take, by token; weakly held, so one the
+        # caller dropped keeps nothing alive.
+        self._live_checkpoints: weakref.WeakValueDictionary[int, LaneCheckpoint] = (
+            weakref.WeakValueDictionary()
+        )
 
     # -- lane resolution -------------------------------------------------------------
 
@@ -458,14 +467,24 @@ class LaneWorkspace:
         self._locked = False
 
     def release_retired(self) -> int:
-        """Free every retired buffer; returns the bytes released.
+        """Let go of every retired buffer; returns the bytes that this frees.
+
+        A buffer a live checkpoint still holds is let go but not freed (its rollback
+        brings it back), so its bytes are not counted.
 
         *Requires*: every CUDA graph that took views of a retired buffer is
         destroyed (reset or deleted) and its work synchronised. Not legal during capture.
         """
+        held = {
+            id(t)
+            for cp in self._live_checkpoints.values()
+            for _, state in cp.slots
+            for t in (state.buffer, *state.retired)
+            if t is not None
+        }
         released = 0
         for slot in self._slots.values():
-            released += sum(_allocation_bytes(t) for t in slot.retired)
+            released += sum(_allocation_bytes(t) for t in slot.retired if id(t) not in held)
             slot.retired.clear()
         return released
 
@@ -487,9 +506,14 @@ class LaneWorkspace:
 
         Allocates nothing.
         """
-        return LaneCheckpoint(
-            self._serial, self._locked, tuple((k, s.state()) for k, s in self._slots.items())
+        cp = LaneCheckpoint(
+            self._serial,
+            next(_checkpoint_tokens),
+            self._locked,
+            tuple((k, s.state()) for k, s in self._slots.items()),
         )
+        self._live_checkpoints[cp.token] = cp
+        return cp
 
     def rollback(self, checkpoint: LaneCheckpoint) -> None:
         """Return every slot to the buffers it held at ``checkpoint``, and the lock state.
@@ -497,10 +521,21 @@ class LaneWorkspace:
         Buffers and persistent tensors created since are dropped (freed once no
         view of them is left); buffers retired since become live again.
 
-        *Requires*: every graph captured since the checkpoint is destroyed.
+        *Requires*: every graph captured since the checkpoint is destroyed;
+        ``checkpoint`` came from this workspace and was neither rolled back nor undone
+        by the rollback of an earlier one (ValueError otherwise; a refused call
+        changes nothing). *Guarantees*: ``checkpoint`` and every later one become unusable.
         """
+        check_instance("checkpoint", checkpoint, LaneCheckpoint, "pass what checkpoint() returned")
         if checkpoint.workspace_serial != self._serial:
             raise ValueError("checkpoint was taken from another LaneWorkspace; roll back that one")
+        if checkpoint.token not in self._live_checkpoints:
+            raise ValueError(
+                "checkpoint was rolled back already, or an earlier checkpoint's rollback "
+                "undid it; take a new checkpoint()"
+            )
+        for token in [t for t in self._live_checkpoints if t >= checkpoint.token]:
+            del self._live_checkpoints[token]
         self._locked = checkpoint.locked
         for key, state in checkpoint.slots:
             slot = self._slots[key]
