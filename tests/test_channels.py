@@ -771,3 +771,16 @@ def test_rollback_device_channel_drops_its_tensors():
         buffer, signal = weakref.ref(channel.buffer), weakref.ref(channel.signal)
     channel_pool.rollback(cp)
     assert buffer() is None and signal() is None  # though the test still holds the channel
+
+
+def test_capture_block_exited_in_another_context_leaves_the_pool_idle():
+    """A block whose exit runs in another context (another thread or task) cannot
+    restore this context's binding, and says so; the pool is not left busy for good."""
+    import contextvars
+
+    channel_pool, _ = _make_channel_pool()
+    block = channel_pool.capture(owner="target")
+    block.__enter__()
+    with pytest.raises(ValueError, match="different Context"):
+        contextvars.copy_context().run(block.__exit__, None, None, None)
+    channel_pool.checkpoint()  # refused for good before: a capture counted as active

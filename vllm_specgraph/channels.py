@@ -253,9 +253,11 @@ class ChannelPool:
         try:
             yield channel
         finally:
-            self._stack.reset(reset_token)
+            # Counted out first: a block exited in another thread or task (whose
+            # context cannot take this reset) must not leave the pool busy for good.
             with self._lock:
                 self._num_active_captures -= 1
+            self._stack.reset(reset_token)
 
     def in_capture(self) -> bool:
         """Whether this thread or task is inside a :meth:`capture` block of this pool."""
