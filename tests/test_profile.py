@@ -395,3 +395,14 @@ def test_current_disposable_pass_is_the_pass_in_its_block_only_also_after_an_err
     with pytest.raises(KeyError, match="capture failed"), disposable_graph_pass():
         raise KeyError("capture failed")
     assert current_disposable_pass() is None, "reset on error too"
+
+
+def test_disposable_graph_pass_thaws_the_heap_after_a_failed_pass(cuda):
+    import gc
+
+    from vllm_specgraph.profile import disposable_graph_pass
+
+    with pytest.raises(KeyError, match="capture failed"), disposable_graph_pass():
+        assert gc.get_freeze_count() > 0
+        raise KeyError("capture failed")
+    assert gc.get_freeze_count() == 0, "a failed pass left the whole heap frozen"

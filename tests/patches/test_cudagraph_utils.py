@@ -671,3 +671,17 @@ def test_profile_measures_again_on_every_rank_when_any_rank_asks(
     assert (_captures(env), runner.specgraph_profile.profile_passes) == (passes, passes)
     asked = [r.message for r in caplog.records if "another rank's pass asks" in r.message]
     assert len(asked) == int(other_rank_asks)
+
+
+def test_profile_first_frees_what_earlier_growth_retired(vllm_env, monkeypatch):
+    """No graph exists before the profile, so nothing can read a retired buffer."""
+    env = vllm_env
+    workspace = env.workspace
+    workspace.get_simultaneous(((256,), torch.float32))
+    monkeypatch.setattr(workspace, "_is_capturing", lambda: True)  # a stand-in capture
+    workspace.get_simultaneous(((256,), torch.float32))
+    monkeypatch.setattr(workspace, "_is_capturing", bool)
+    workspace.get_simultaneous(((4096,), torch.float32))
+    assert workspace.usage()["target"].retired_bytes > 0
+    env.cudagraph_utils.profile_cudagraph_memory(_runner(env))
+    assert workspace.usage()["target"].retired_bytes == 0

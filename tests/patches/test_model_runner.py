@@ -215,3 +215,28 @@ def test_estimate_far_from_production_warns_and_says_why_segments_were_not_expan
         )
         assert ("kept the allocator's setting because" in warnings[0]) == (blocker is not None)
         assert blocker is None or warnings[0].endswith(blocker), warnings[0]
+
+
+@pytest.mark.parametrize(
+    ("speculative_config", "lane"),
+    [(None, 0), (SimpleNamespace(use_dspark=lambda: False), 1)],
+)
+def test_runner_runs_any_speculator_in_the_draft_lane_and_none_in_the_target_lane(
+    install_patch, monkeypatch, speculative_config, lane
+):
+    import vllm.v1.worker.gpu.model_runner as model_runner
+
+    def vllm_init(self, vllm_config, device):
+        # vLLM's own rule (model_runner.py, __init__): lane 1 for DSpark alone. A
+        # stand-in, as vLLM's __init__ needs a GPU and a model.
+        self.speculative_config = vllm_config.speculative_config
+        self._draft_workspace_lane = int(
+            self.speculative_config is not None and self.speculative_config.use_dspark()
+        )
+
+    monkeypatch.setattr(model_runner.GPUModelRunner, "__init__", vllm_init)
+    install_patch("vllm.v1.worker.gpu.cudagraph_utils")
+    install_patch("vllm.v1.worker.gpu.model_runner")
+    config = SimpleNamespace(speculative_config=speculative_config)
+    runner = model_runner.GPUModelRunner(config, "cpu")
+    assert runner._draft_workspace_lane == lane
