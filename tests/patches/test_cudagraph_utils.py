@@ -406,9 +406,12 @@ def test_profile_fault_at_each_step_restores_pools_lanes_counters_and_reraises(
     runner = _runner(
         env, fail_capture=fault == "target_capture", fail_draft=fault == "draft_capture"
     )
+    production_freeze = env.model_runner_module.freeze_gc_for_cudagraph_capture
     with pytest.raises((OSError, RuntimeError, KeyError)) as info:
         env.cudagraph_utils.profile_cudagraph_memory(runner)
     assert fault.split("_")[0] in str(info.value)
+    assert env.model_runner_module.freeze_gc_for_cudagraph_capture is production_freeze
+    assert gc.isenabled() and gc.get_freeze_count() == 0
     assert env.platform_cls._global_graph_pool == env.production_pool
     assert old_wrapper.graph_pool == env.production_pool
     if hasattr(env, "new_wrapper"):

@@ -240,3 +240,28 @@ def test_runner_runs_any_speculator_in_the_draft_lane_and_none_in_the_target_lan
     config = SimpleNamespace(speculative_config=speculative_config)
     runner = model_runner.GPUModelRunner(config, "cpu")
     assert runner._draft_workspace_lane == lane
+
+
+def test_capture_inside_an_active_meter_reports_to_that_meter_alone():
+    """A capture_model call made inside a measured one (the profile's pass) must not
+    start its own meter: the speculator's capture would report its bytes to the inner
+    meter, and the outer one would count them as the target's."""
+    from vllm_specgraph.patches.v1.worker.gpu import model_runner as patch
+    from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory
+
+    calls = []
+
+    class Runner:
+        vllm_config = SimpleNamespace(use_cumem_cudagraph_pool=False)
+
+        def capture_model(self, *, profile_only=False):
+            calls.append(patch._active_meter.get())
+            return 0
+
+    runner = Runner()
+    estimate = GraphMemoryReport((OwnerMemory("target", 1, 1, 0),), 0, 0, 0, 0, 1.0)
+    runner.specgraph_profile = patch.SpecgraphCapture(estimate=estimate)
+    capture_model = patch._wrap_capture_model(Runner.capture_model)
+    with patch.metering(patch.CaptureMeter()) as outer:
+        capture_model(runner)
+    assert calls == [outer] and runner.specgraph_profile.actual is None
