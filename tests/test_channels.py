@@ -784,3 +784,34 @@ def test_capture_block_exited_in_another_context_leaves_the_pool_idle():
     with pytest.raises(ValueError, match="different Context"):
         contextvars.copy_context().run(block.__exit__, None, None, None)
     channel_pool.checkpoint()  # refused for good before: a capture counted as active
+
+
+def test_channel_creation_in_threads_is_one_at_a_time_with_distinct_ids():
+    """Creation is collective (a rendezvous): two threads capturing at once must not
+    create channels concurrently, nor hand out one id twice."""
+    import time
+
+    inside, most = [0], [0]
+
+    def slow_channel(channel_id, owner, name, events):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        time.sleep(0.05)  # a rendezvous takes time: room for another thread to enter
+        inside[0] -= 1
+        return _FakeChannel(channel_id, owner, name, events)
+
+    channel_pool, _ = _make_channel_pool(make_channel=slow_channel)
+    start = threading.Barrier(2)
+    ids = []
+
+    def capture(owner):
+        start.wait()
+        with channel_pool.capture(owner=owner) as channel:
+            ids.append(channel.channel_id)
+
+    threads = [threading.Thread(target=capture, args=(o,)) for o in ("target", "draft")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert most[0] == 1 and sorted(ids) == [0, 1]
