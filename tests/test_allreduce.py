@@ -396,3 +396,30 @@ def test_symm_mem_failed_rendezvous_leaves_pool_and_memory_as_before(group, fake
     gc.collect()
     assert all_reduce.channel_pool.num_channels == 0
     assert [ref() for ref in fake_symm_mem.buffers] == [None]
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "message"),
+    [
+        ((-4, torch.bfloat16, 2), ValueError, "nbytes must be >= 0, got -4"),
+        ((1024, "bfloat16", 2), TypeError, "dtype must be a dtype, got 'bfloat16'"),
+        ((1024, torch.bfloat16, 0), ValueError, "world_size must be >= 1, got 0"),
+        ((1024.0, torch.bfloat16, 2), TypeError, "nbytes must be an int, got 1024.0"),
+    ],
+)
+def test_select_algorithm_refuses_bad_arguments_naming_them(args, error, message):
+    from vllm_specgraph.allreduce import AllReduceConfig, select_algorithm
+
+    with pytest.raises(error, match=message):
+        select_algorithm(*args, AllReduceConfig())
+
+
+def test_select_algorithm_takes_numpy_integers_as_ints():
+    import numpy as np
+
+    from vllm_specgraph.allreduce import AllReduceConfig, select_algorithm
+
+    config = AllReduceConfig()
+    assert select_algorithm(np.int64(1024), torch.bfloat16, np.int32(2), config) is (
+        select_algorithm(1024, torch.bfloat16, 2, config)
+    )

@@ -565,3 +565,16 @@ def test_get_persistent_same_key_other_dtype_raises_naming_both():
         ValueError, match=r"exists as \(8,\)/torch.int32, asked for \(8,\)/torch.int64"
     ):
         ws.get_persistent("plan", (8,), torch.int64)
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [(64, torch.float32), ((64,), "float32"), ((64,), None)],
+    ids=["bare-int-shape", "string-dtype", "no-dtype"],
+)
+def test_get_simultaneous_bad_request_names_the_pair_and_changes_nothing(request_):
+    ws = LaneWorkspace("cpu")
+    before = ws.usage()
+    with pytest.raises(TypeError, match=r"a workspace request is a \(shape, dtype\) pair"):
+        ws.get_simultaneous(request_)
+    assert ws.usage() == before

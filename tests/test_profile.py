@@ -406,3 +406,25 @@ def test_disposable_graph_pass_thaws_the_heap_after_a_failed_pass(cuda):
         assert gc.get_freeze_count() > 0
         raise KeyError("capture failed")
     assert gc.get_freeze_count() == 0, "a failed pass left the whole heap frozen"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"owner": "target", "capture": None}, "OwnerGraphs.capture must be callable, got None"),
+        ({"owner": "", "capture": print}, "OwnerGraphs.owner must be a non-empty str"),
+        ({"owner": "draft", "capture": print, "release": 3}, "OwnerGraphs.release must be"),
+    ],
+)
+def test_owner_graphs_refuses_what_it_cannot_run_when_made(kwargs, message):
+    from vllm_specgraph.profile import OwnerGraphs
+
+    with pytest.raises(TypeError, match=message):
+        OwnerGraphs(**kwargs)
+
+
+def test_profile_graph_memory_refuses_a_warmup_capture_that_is_no_bool():
+    from vllm_specgraph.profile import OwnerGraphs, profile_graph_memory
+
+    with pytest.raises(TypeError, match="warmup_capture must be a bool, got 'no'"):
+        profile_graph_memory([OwnerGraphs("target", print)], warmup_capture="no")

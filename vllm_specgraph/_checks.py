@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-__all__ = ["check_callable", "check_instance", "check_int", "check_str"]
+import operator
+
+__all__ = ["check_bool", "check_callable", "check_instance", "check_int", "check_str"]
 
 
 def check_int(name: str, value: object, minimum: int, fix: str) -> None:
     # Type before range: "'<=' not supported between 'str' and 'int'" names nothing.
-    if isinstance(value, bool) or not isinstance(value, int):
+    # Any integer type counts (numpy's too), as everywhere in this package; bool does not.
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}); {fix}")
-    if value < minimum:
+    if operator.index(value) < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}; {fix}")
 
 
@@ -18,6 +21,11 @@ def check_str(name: str, value: object, fix: str) -> None:
         raise TypeError(
             f"{name} must be a non-empty str, got {value!r} ({type(value).__name__}); {fix}"
         )
+
+
+def check_bool(name: str, value: object, fix: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__}); {fix}")
 
 
 def check_callable(name: str, value: object, fix: str) -> None:

@@ -138,6 +138,10 @@ def select_algorithm(
     One-shot up to ``config.one_shot_max_bytes``, then two-shot up to
     ``config.two_shot_max_bytes``, else NCCL; either kernel only where it can take the input.
     """
+    check_int("nbytes", nbytes, 0, "pass the input's size in bytes")
+    check_instance("dtype", dtype, torch.dtype, "pass the input's torch dtype")
+    check_int("world_size", world_size, 1, "pass the group's number of ranks")
+    check_instance("config", config, AllReduceConfig, "pass an AllReduceConfig")
     two_shot_max = config.two_shot_max_bytes
     limits = (
         (Algorithm.ONE_SHOT, config.one_shot_max_bytes),

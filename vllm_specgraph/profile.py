@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from vllm_specgraph._checks import check_bool, check_callable, check_str
 from vllm_specgraph.capture import GraphRecorder
 from vllm_specgraph.channels import (
     ChannelPool,
@@ -82,6 +83,15 @@ class OwnerGraphs:
     capture: Callable[[GraphRecorder], None]
     warmup: Callable[[], None] | None = None
     release: Callable[[], None] | None = None
+
+    def __post_init__(self) -> None:
+        # Checked when made, not mid-pass with graphs captured.
+        check_str("OwnerGraphs.owner", self.owner, "name the owner, e.g. 'target'")
+        check_callable("OwnerGraphs.capture", self.capture, "pass a function of the recorder")
+        for name in ("warmup", "release"):
+            value = getattr(self, name)
+            if value is not None:
+                check_callable(f"OwnerGraphs.{name}", value, "pass a function, or None")
 
 
 @dataclass(frozen=True)
@@ -384,6 +394,7 @@ def profile_graph_memory(
     (production pools restored). The eager warm-up's effects (loaded kernels,
     sized workspace lanes, eager channels) are production state and stay.
     """
+    check_bool("warmup_capture", warmup_capture, "pass True or False")
     _check_owners(owners, workspace, channel_pools)
     started = time.perf_counter()
     free_initial = settled_free_bytes()
