@@ -381,7 +381,7 @@ def _plugin_report(
     estimate: dict[str, int], actual: dict[str, int] | None, one_time: int = 0
 ) -> dict:
     """The report as the plugin writes it (its own classes, test byte counts)."""
-    from vllm_specgraph.patches.v1.worker.gpu.model_runner import SpecgraphCapture
+    from vllm_specgraph.patches._capture_meter import SpecgraphCapture
     from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory
 
     def owners(figures):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from vllm_specgraph.lanes import current_owner
-from vllm_specgraph.patches.v1.worker.gpu.model_runner import CaptureFootprint
+from vllm_specgraph.patches._capture_meter import CaptureFootprint
 
 pytestmark = pytest.mark.vllm
 

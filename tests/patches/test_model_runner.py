@@ -124,6 +124,7 @@ def test_production_capture_reports_where_its_bytes_went(monkeypatch, caplog, al
     import torch
     from vllm.compilation.counter import compilation_counter
 
+    from vllm_specgraph.patches import _capture_meter as meter
     from vllm_specgraph.patches.v1.worker.gpu import model_runner as patch
     from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory
 
@@ -158,12 +159,12 @@ def test_production_capture_reports_where_its_bytes_went(monkeypatch, caplog, al
 
     runner = Runner()
     estimate = GraphMemoryReport((OwnerMemory("target", 3, 38 * mib, 0),), 0, 0, 0, 0, 1.0)
-    runner.specgraph_profile = patch.SpecgraphCapture(estimate=estimate)
+    runner.specgraph_profile = meter.SpecgraphCapture(estimate=estimate)
     capture_model = patch._wrap_capture_model(Runner.capture_model)
     with caplog.at_level("INFO", logger="vllm.specgraph"):
         assert capture_model(runner) == 38 * mib
     outcome = runner.specgraph_profile
-    assert outcome.actual_footprint == patch.CaptureFootprint(30 * mib, 2 * mib, 6 * mib)
+    assert outcome.actual_footprint == meter.CaptureFootprint(30 * mib, 2 * mib, 6 * mib)
     assert [(o.owner, o.driver_bytes, o.allocator_bytes) for o in outcome.actual] == [
         ("target", 38 * mib, 32 * mib)
     ]
@@ -190,6 +191,7 @@ CUSTOM_AR = "the TP group's custom all-reduce registers captured buffers by CUDA
 def test_estimate_far_from_production_warns_and_says_why_segments_were_not_expandable(
     caplog, estimate_mib, actual_mib, blocker, warned
 ):
+    from vllm_specgraph.patches import _capture_meter as meter
     from vllm_specgraph.patches.v1.worker.gpu import model_runner as patch
     from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory
 
@@ -197,7 +199,7 @@ def test_estimate_far_from_production_warns_and_says_why_segments_were_not_expan
     estimate = GraphMemoryReport(
         (OwnerMemory("target", 51, estimate_mib * mib, 0),), 0, 0, 0, 0, 1.0
     )
-    outcome = patch.SpecgraphCapture(
+    outcome = meter.SpecgraphCapture(
         estimate=estimate,
         capture_wall_seconds=1.0,
         actual=(OwnerMemory("target", 51, actual_mib * mib, 0),),
@@ -246,6 +248,7 @@ def test_capture_inside_an_active_meter_reports_to_that_meter_alone():
     """A capture_model call made inside a measured one (the profile's pass) must not
     start its own meter: the speculator's capture would report its bytes to the inner
     meter, and the outer one would count them as the target's."""
+    from vllm_specgraph.patches import _capture_meter as meter
     from vllm_specgraph.patches.v1.worker.gpu import model_runner as patch
     from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory
 
@@ -255,13 +258,13 @@ def test_capture_inside_an_active_meter_reports_to_that_meter_alone():
         vllm_config = SimpleNamespace(use_cumem_cudagraph_pool=False)
 
         def capture_model(self, *, profile_only=False):
-            calls.append(patch._active_meter.get())
+            calls.append(meter.current_meter())
             return 0
 
     runner = Runner()
     estimate = GraphMemoryReport((OwnerMemory("target", 1, 1, 0),), 0, 0, 0, 0, 1.0)
-    runner.specgraph_profile = patch.SpecgraphCapture(estimate=estimate)
+    runner.specgraph_profile = meter.SpecgraphCapture(estimate=estimate)
     capture_model = patch._wrap_capture_model(Runner.capture_model)
-    with patch.metering(patch.CaptureMeter()) as outer:
+    with meter.metering(meter.CaptureMeter()) as outer:
         capture_model(runner)
     assert calls == [outer] and runner.specgraph_profile.actual is None

@@ -56,6 +56,12 @@ from vllm_specgraph.patches._capture_allocator import (
     expandable_segments_blocker,
     expandable_segments_for_capture,
 )
+from vllm_specgraph.patches._capture_meter import (
+    CaptureFootprint,
+    CaptureMeter,
+    SpecgraphCapture,
+    metering,
+)
 from vllm_specgraph.patches._patching import PatchSet
 from vllm_specgraph.profile import (
     GraphMemoryReport,
@@ -70,7 +76,6 @@ from vllm_specgraph.switches import PROFILE_MODES, current_switches
 if TYPE_CHECKING:
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
-    from vllm_specgraph.patches.v1.worker.gpu.model_runner import CaptureFootprint
 
 __all__ = [
     "ONE_TIME_THRESHOLD_BYTES",
@@ -253,8 +258,6 @@ def _measured_pass(
     from vllm.compilation.cudagraph_pool import capture_outside_cumem_pool
     from vllm.config import set_current_vllm_config
     from vllm.v1.worker.gpu.cudagraph_utils import _init_minimal_kv_cache_for_profiling
-
-    from vllm_specgraph.patches.v1.worker.gpu.model_runner import CaptureMeter, metering
 
     counters = (
         compilation_counter.num_cudagraph_captured,
@@ -451,7 +454,6 @@ def _profile_cudagraph_memory(upstream: Callable[[Any], int]) -> Callable[[Any],
         from vllm_specgraph.patches.distributed.device_communicators import (
             flashinfer_pcie_ipc_all_reduce as pcie_ipc,
         )
-        from vllm_specgraph.patches.v1.worker.gpu.model_runner import SpecgraphCapture
 
         outcome = exact_cudagraph_memory(runner)
         if outcome is None:
