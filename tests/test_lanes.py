@@ -19,6 +19,20 @@ from vllm_specgraph.lanes import (
 from vllm_specgraph.spans import overlapping_pairs, spans_overlap, tensor_span
 
 
+def _viewed_by_a_capture(numel: int) -> LaneWorkspace:
+    """A workspace whose target buffer of ``numel`` floats a graph took views of.
+
+    A stand-in capture: capturing needs a GPU. The eager warm-up sizes the lane first.
+    """
+    capturing = [False]
+    ws = LaneWorkspace("cpu", is_capturing=lambda: capturing[0])
+    ws.get_simultaneous(((numel,), torch.float32))
+    capturing[0] = True
+    ws.get_simultaneous(((numel,), torch.float32))
+    capturing[0] = False
+    return ws
+
+
 def test_use_owner_default_is_target():
     assert current_owner() == "target"
 
@@ -194,12 +208,7 @@ def test_get_simultaneous_growth_frees_a_buffer_no_capture_viewed_as_vllm_does()
 
 
 def test_release_retired_frees_only_retired():
-    capturing = [False]
-    ws = LaneWorkspace("cpu", is_capturing=lambda: capturing[0])
-    ws.get_simultaneous(((16,), torch.float32))
-    capturing[0] = True
-    ws.get_simultaneous(((16,), torch.float32))  # a graph viewed it
-    capturing[0] = False
+    ws = _viewed_by_a_capture(16)
     ws.get_simultaneous(((1024,), torch.float32))
     retired = ws.usage()["target"].retired_bytes
     assert ws.release_retired() == retired > 0
@@ -544,12 +553,7 @@ def test_rollback_refuses_a_checkpoint_used_or_undone_and_changes_nothing():
 
 
 def test_release_retired_counts_no_bytes_a_live_checkpoint_still_holds():
-    capturing = [False]
-    ws = LaneWorkspace("cpu", is_capturing=lambda: capturing[0])
-    ws.get_simultaneous(((1024,), torch.float32))
-    capturing[0] = True
-    ws.get_simultaneous(((1024,), torch.float32))  # a graph views it
-    capturing[0] = False
+    ws = _viewed_by_a_capture(1024)
     checkpoint = ws.checkpoint()  # holds that buffer
     ws.get_simultaneous(((4096,), torch.float32))  # retires it
     assert ws.usage()["target"].retired_bytes >= 1024 * 4
