@@ -428,3 +428,23 @@ def test_profile_graph_memory_refuses_a_warmup_capture_that_is_no_bool():
 
     with pytest.raises(TypeError, match="warmup_capture must be a bool, got 'no'"):
         profile_graph_memory([OwnerGraphs("target", print)], warmup_capture="no")
+
+
+def test_profile_graph_memory_reports_one_time_and_retained_bytes_with_their_signs(cuda):
+    """The first capture in the process loads 6 MiB for good (kernel code, say), and
+    every capture leaves 2 MiB behind: the warm-up pass takes both, so the report
+    says 8 MiB one-time; the measured pass leaves its 2 MiB: retained."""
+    from vllm_specgraph.profile import OwnerGraphs
+
+    _, state = cuda
+    first = [True]
+
+    def capture(recorder):
+        with recorder.capture():
+            pass  # the recorder enters the fake capture
+        state["free"] -= (6 << 20 if first[0] else 0) + (2 << 20)
+        first[0] = False
+
+    report = profile_graph_memory([OwnerGraphs("target", capture)])
+    assert report.one_time_bytes == 8 << 20
+    assert report.retained_bytes == 2 << 20
