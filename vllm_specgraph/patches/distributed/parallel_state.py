@@ -27,10 +27,11 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import ModuleType
 from typing import Any
 
+from vllm_specgraph.channels import ChannelPool
 from vllm_specgraph.lanes import DEFAULT_OWNER_LANES, current_owner
 from vllm_specgraph.patches._patching import PatchSet
 
-__all__ = ["install"]
+__all__ = ["group_channel_pools", "install"]
 
 
 _LANE_OWNERS = {lane: owner for owner, lane in DEFAULT_OWNER_LANES.items()}
@@ -47,6 +48,23 @@ def _channel_for_capture(group: Any) -> AbstractContextManager[object]:
     if peer is None:
         return nullcontext()
     return peer.channel_pool.capture(owner=_capture_owner())
+
+
+def group_channel_pools() -> list[ChannelPool]:
+    """The channel pools of the TP, DCP and PP groups' peer all-reduce, in that order.
+
+    A communicator two groups share is listed twice and checkpointed once; a
+    rollback goes in reverse order, on every rank of each group.
+    """
+    from vllm.distributed import parallel_state
+
+    channel_pools = []
+    for name in ("_TP", "_DCP", "_PP"):
+        communicator = getattr(getattr(parallel_state, name, None), "device_communicator", None)
+        peer = getattr(communicator, "specgraph_all_reduce", None)
+        if peer is not None:
+            channel_pools.append(peer.channel_pool)
+    return channel_pools
 
 
 def _wrap_graph_capture(graph_capture: Callable[..., Any]) -> Callable[..., Any]:

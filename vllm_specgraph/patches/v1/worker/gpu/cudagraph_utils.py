@@ -50,7 +50,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_specgraph.channels import ChannelPool
 from vllm_specgraph.lanes import LaneWorkspace
 from vllm_specgraph.patches._capture_allocator import (
     expandable_segments_blocker,
@@ -63,6 +62,7 @@ from vllm_specgraph.patches._capture_meter import (
     metering,
 )
 from vllm_specgraph.patches._patching import PatchSet
+from vllm_specgraph.patches.distributed.parallel_state import group_channel_pools
 from vllm_specgraph.profile import (
     GraphMemoryReport,
     OwnerMemory,
@@ -265,7 +265,7 @@ def _measured_pass(
     )
     try:
         with disposable_graph_pass(
-            channel_pools=_group_channel_pools(),
+            channel_pools=group_channel_pools(),
             workspace=workspace,
             redirect_pools=_pools_redirected,
         ) as disposable:
@@ -304,23 +304,6 @@ def _measured_pass(
         expandable,
         blocks_before_capture,
     )
-
-
-def _group_channel_pools() -> list[ChannelPool]:
-    """The channel pools of the TP, DCP and PP groups' peer all-reduce, in that order.
-
-    A communicator two groups share is listed twice and checkpointed once; the
-    pass rolls them back in reverse order, on every rank of each group.
-    """
-    from vllm.distributed import parallel_state
-
-    channel_pools = []
-    for name in ("_TP", "_DCP", "_PP"):
-        communicator = getattr(getattr(parallel_state, name, None), "device_communicator", None)
-        peer = getattr(communicator, "specgraph_all_reduce", None)
-        if peer is not None:
-            channel_pools.append(peer.channel_pool)
-    return channel_pools
 
 
 @contextmanager
