@@ -582,3 +582,14 @@ def test_get_simultaneous_bad_request_names_the_pair_and_changes_nothing(request
     with pytest.raises(TypeError, match=r"a workspace request is a \(shape, dtype\) pair"):
         ws.get_simultaneous(request_)
     assert ws.usage() == before
+
+
+def test_numpy_integers_count_as_ints_for_sizes_lanes_and_ubatches():
+    import numpy as np
+
+    ws = LaneWorkspace("cpu", num_ubatches=np.int64(2), num_lanes=np.int32(2))
+    (a,) = ws.get_simultaneous(((4,), torch.float32), ubatch=np.int64(1))
+    (b,) = ws.get_simultaneous(((4,), torch.float32), ubatch=1)
+    assert a.data_ptr() == b.data_ptr(), "the same slot"
+    with pytest.raises(ValueError, match=r"ubatch must be in \[0, 2\), got 2"):
+        ws.get_simultaneous(((4,), torch.float32), ubatch=np.int64(2))

@@ -257,9 +257,12 @@ class LaneWorkspace:
         if beyond:
             raise ValueError(f"owners {beyond} map past num_lanes={num_lanes}; raise num_lanes")
         self.device = torch.device(device)
-        self.num_ubatches = num_ubatches
-        self.num_lanes = num_lanes
-        self.owner_lanes: Mapping[str, int] = dict(owner_lanes)
+        # Plain ints from here on (numpy integers are accepted): they key the slots.
+        self.num_ubatches = operator.index(num_ubatches)
+        self.num_lanes = operator.index(num_lanes)
+        self.owner_lanes: Mapping[str, int] = {
+            owner: operator.index(lane) for owner, lane in owner_lanes.items()
+        }
         self._alloc_context = alloc_context
         self._ubatch_id = ubatch_id
         if is_capturing is None:
@@ -304,7 +307,9 @@ class LaneWorkspace:
             ubatch = self._ubatch_id()
         if type(ubatch) is not int or not 0 <= ubatch < self.num_ubatches:
             check_int("ubatch", ubatch, 0, "pass the micro-batch index")
-            raise ValueError(f"ubatch must be in [0, {self.num_ubatches}), got {ubatch}")
+            ubatch = operator.index(ubatch)  # a numpy integer, say
+            if ubatch >= self.num_ubatches:
+                raise ValueError(f"ubatch must be in [0, {self.num_ubatches}), got {ubatch}")
         owner = current_owner()
         # Asked once per workspace request, in every layer that takes scratch memory:
         # a valid lane costs no Python call.
