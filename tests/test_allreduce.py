@@ -423,3 +423,12 @@ def test_select_algorithm_takes_numpy_integers_as_ints():
     assert select_algorithm(np.int64(1024), torch.bfloat16, np.int32(2), config) is (
         select_algorithm(1024, torch.bfloat16, 2, config)
     )
+
+
+def test_all_reduce_config_stores_numpy_integers_as_plain_ints():
+    import numpy as np
+
+    from vllm_specgraph.allreduce import AllReduceConfig
+
+    config = AllReduceConfig(channel_bytes=np.int64(1 << 20), one_shot_max_bytes=np.int32(4096))
+    assert type(config.channel_bytes) is int and type(config.one_shot_max_bytes) is int

@@ -593,3 +593,9 @@ def test_numpy_integers_count_as_ints_for_sizes_lanes_and_ubatches():
     assert a.data_ptr() == b.data_ptr(), "the same slot"
     with pytest.raises(ValueError, match=r"ubatch must be in \[0, 2\), got 2"):
         ws.get_simultaneous(((4,), torch.float32), ubatch=np.int64(2))
+
+
+def test_get_simultaneous_shape_and_dtype_passed_apart_names_the_pair():
+    ws = LaneWorkspace("cpu")
+    with pytest.raises(TypeError, match=r"a workspace request is a \(shape, dtype\) pair"):
+        ws.get_simultaneous((64,), torch.float32)

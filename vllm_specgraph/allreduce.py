@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 from collections.abc import Callable
 
 import torch
@@ -111,6 +112,12 @@ class AllReduceConfig:
         if self.two_shot_max_bytes is not None:
             fix = "pass bytes, 0 for never, or None for up to channel_bytes"
             check_int("two_shot_max_bytes", self.two_shot_max_bytes, 0, fix)
+        # Plain ints from here on (numpy integers are accepted): torch's
+        # symmetric-memory calls take nothing else.
+        for name in ("channel_bytes", "one_shot_max_bytes", "two_shot_max_bytes"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, operator.index(value))
 
 
 def _refusal(

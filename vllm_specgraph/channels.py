@@ -253,11 +253,19 @@ class ChannelPool:
         try:
             yield channel
         finally:
-            # Counted out first: a block exited in another thread or task (whose
-            # context cannot take this reset) must not leave the pool busy for good.
+            try:
+                self._stack.reset(reset_token)
+            except ValueError as error:
+                # Exited in another thread or task: the context that entered still has
+                # the channel bound, so the capture stays counted (a rollback would
+                # close a channel in use); say why instead of a bare context error.
+                raise RuntimeError(
+                    f"ChannelPool {self._name!r}: a capture() block was exited in another "
+                    "thread or task than the one that entered it; exit it where it was "
+                    "entered (the pool counts it as active until then)"
+                ) from error
             with self._lock:
                 self._num_active_captures -= 1
-            self._stack.reset(reset_token)
 
     def in_capture(self) -> bool:
         """Whether this thread or task is inside a :meth:`capture` block of this pool."""

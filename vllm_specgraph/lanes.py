@@ -336,20 +336,23 @@ class LaneWorkspace:
         """
         # Plain loops: no generator frames on a path every such layer takes.
         starts, nbytes, end = [], [], 0
-        for shape, dtype in shapes_and_dtypes:
+        for pair in shapes_and_dtypes:
             try:
+                shape, dtype = pair
+                bad = False
                 for d in shape:
-                    if d < 0 if type(d) is int else _bad_dimension(d):
-                        raise ValueError(
-                            f"workspace shape {tuple(shape)} has a negative or non-integer "
-                            "dimension; pass the concrete sizes (>= 0) of every dimension"
-                        )
+                    bad = bad or (d < 0 if type(d) is int else _bad_dimension(d))
                 n = prod(shape) * dtype.itemsize
-            except (TypeError, AttributeError):
+            except (TypeError, AttributeError, ValueError):
                 raise TypeError(
                     f"a workspace request is a (shape, dtype) pair such as ((64, 128), "
-                    f"torch.bfloat16), got {(shape, dtype)!r}"
+                    f"torch.bfloat16), got {pair!r}"
                 ) from None
+            if bad:
+                raise ValueError(
+                    f"workspace shape {tuple(shape)} has a negative or non-integer "
+                    "dimension; pass the concrete sizes (>= 0) of every dimension"
+                )
             starts.append(end)
             nbytes.append(n)
             end += -(-n // ALIGNMENT_BYTES) * ALIGNMENT_BYTES

@@ -1,8 +1,11 @@
 """Patch for ``vllm.v1.worker.gpu_model_runner`` (vLLM 0.33.0).
 
 vLLM does: the V1 runner's ``profile_cudagraph_memory`` captures its graphs once,
-inside ``graph_capture``, into a throwaway pool, and clears them before it
-returns.
+inside ``graph_capture``, into a throwaway pool, and clears the wrappers' and the
+encoder's before it returns (dual-batch-overlap graphs, captured in micro-batch
+threads, outlive it; those threads do not see the capture's channel binding on
+Python 3.11-3.13, so their all-reduces take vLLM's chain and no rolled-back
+channel is in them).
 
 This patch changes: where the plugin's peer all-reduce serves a group (the
 ``cuda_communicator`` patch), the channels those throwaway captures bound are
