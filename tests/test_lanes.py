@@ -599,3 +599,15 @@ def test_get_simultaneous_shape_and_dtype_passed_apart_names_the_pair():
     ws = LaneWorkspace("cpu")
     with pytest.raises(TypeError, match=r"a workspace request is a \(shape, dtype\) pair"):
         ws.get_simultaneous((64,), torch.float32)
+
+
+def test_release_retired_counts_what_a_dropped_checkpoint_held_and_skips_a_held_retired_one():
+    ws = _viewed_by_a_capture(1024)
+    checkpoint = ws.checkpoint()
+    ws.get_simultaneous(((4096,), torch.float32))  # retires the viewed buffer
+    del checkpoint  # dropped, not rolled back: it holds nothing any more
+    assert ws.release_retired() >= 1024 * 4
+    ws = _viewed_by_a_capture(1024)
+    ws.get_simultaneous(((4096,), torch.float32))  # retired first...
+    kept = ws.checkpoint()  # ...then held by a checkpoint, among its retired buffers
+    assert ws.release_retired() == 0 and kept is not None
