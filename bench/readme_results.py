@@ -27,7 +27,7 @@ _MIB = 1 << 20
 _SPECULATORS = {
     "base": "none",
     "draft": "draft model",
-    "accept": "draft model, target's weights",
+    "accept": "accepting draft",
     "ngram": "ngram",
     "eagle": "EAGLE",
 }

@@ -1088,6 +1088,30 @@ def test_load_row_fails_when_any_round_differs_in_its_tokens():
     assert _load_cells(row)["tokens equal (all runs)"] == "False"
 
 
+def test_load_row_names_where_each_run_got_its_compiled_graphs(tmp_path):
+    """A run that compiled torch.compile's graphs itself, beside runs that loaded
+    them from vLLM's cache, is named in the reason its tokens differ."""
+
+    def with_log(run: dict, name: str, text: str) -> dict:
+        (tmp_path / name).write_text(text)
+        return run | {"_log": str(tmp_path / name)}
+
+    compiled = "[backbone] Compiling a graph for compile range (1, 2048) takes 9.81 s\n"
+    cached = "[backbone] Directly load the compiled graph(s) for compile range (1, 2048)\n"
+    offs = [with_log(load_run([100.0]), "off.log", compiled)]
+    ons = [with_log(load_run([100.0], tokens=[[1, 9]]), "on.log", cached)]
+    row = summarize_load.build_row("8b-compile", "accept", offs, ons)
+    assert row["compile_sources"] == {"off r1": "compiled", "on r1": "cache"}
+    assert row["status"] == (
+        "FAIL (tokens differ: on r1 from off r1 (torch.compile: off r1 compiled, on r1 cache))"
+    )
+    ons = [with_log(load_run([100.0], tokens=[[1, 9]]), "on2.log", compiled)]
+    row = summarize_load.build_row("8b-compile", "accept", offs, ons)
+    assert row["status"] == "FAIL (tokens differ: on r1 from off r1)"
+    full = summarize_load.build_row("1b", "accept", [load_run([1.0])], [load_run([1.0])])
+    assert full["compile_sources"] is None
+
+
 def test_load_rows_from_the_rounds_that_ran(tmp_path, capsys):
     """Round 2 ran on, then its off run was skipped: the row pools what ran and
     says so; the invocation fails, as for any run that did not run."""

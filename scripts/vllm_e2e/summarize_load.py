@@ -144,6 +144,23 @@ def _all(runs: list[Run], key: str) -> bool | None:
     return all((r.get("load") or {}).get(key) for r in runs) if runs else None
 
 
+def compile_source(run: Run) -> str | None:
+    """Where the run's torch.compile graphs came from, read from its log (the
+    ``_log`` path the summary loader sets): ``compiled`` when vLLM compiled one
+    in the process, ``cache`` when it loaded every one from its compile cache,
+    None without compilation or without a log."""
+    path = run.get("_log")
+    if not path or not os.path.exists(path):
+        return None
+    with open(path, errors="replace") as f:
+        log = f.read()
+    if "Compiling a graph for compile range" in log:
+        return "compiled"
+    if "Directly load the compiled graph(s)" in log:
+        return "cache"
+    return None
+
+
 def _tokens_differing(offs: list[Run], ons: list[Run]) -> list[str] | None:
     """The runs (``on r2``, ...) whose greedy tokens differ from the first off
     run's: all runs are equal when none does. None without a run of each switch."""
@@ -183,6 +200,12 @@ def build_row(
     )
     differing = _tokens_differing(offs, ons)
     equal = None if differing is None else not differing
+    sources = {
+        f"{switch} r{round_of(r)}": source
+        for switch, runs in (("off", offs), ("on", ons))
+        for r in runs
+        if (source := compile_source(r))
+    }
     (acceptance_off, length_off), (acceptance_on, length_on) = _spec(offs), _spec(ons)
     first_load = (ons or offs or [{}])[0].get("load") or {}
     row: dict[str, Any] = {
@@ -206,6 +229,9 @@ def build_row(
         # Every run's tokens, off and on, of every round, against each other.
         "tokens_equal_on_off": equal,
         "tokens_differing": differing,
+        # torch.compile's graphs made in the run or loaded from vLLM's cache:
+        # kernels compiled anew may round differently from those loaded.
+        "compile_sources": sources or None,
         "repeats_equal_off": _all(offs, "repeats_equal"),
         "repeats_equal_on": _all(ons, "repeats_equal"),
         "plugin_share": share,
@@ -232,7 +258,10 @@ def build_row(
     if equal is None:
         reasons.append("tokens missing")
     elif differing:
-        reasons.append(f"tokens differ: {', '.join(differing)} from off r{round_of(offs[0])}")
+        reason = f"tokens differ: {', '.join(differing)} from off r{round_of(offs[0])}"
+        if len(set(sources.values())) > 1:
+            reason += " (torch.compile: " + ", ".join(f"{k} {v}" for k, v in sources.items()) + ")"
+        reasons.append(reason)
     if share is not None and not checks["plugin_share"]:
         reasons.append(f"plugin share {share:.2%}")
     elif share is None and ratio is None:
@@ -330,7 +359,9 @@ def markdown(doc: dict[str, Any]) -> str:
         "microseconds per engine step it makes. Host-bound "
         "steps (a draft model without graphs) spread by more than that from repeat to "
         "repeat, so on/off of the medians is shown with each switch's lowest and best "
-        "repeat, and checked only where no share was measured.",
+        "repeat, and checked only where no share was measured. Where tokens differ "
+        "under torch.compile, the check names where each run's compiled graphs came "
+        "from: compiled in the run, or loaded from vLLM's compile cache.",
         "",
     ]
     return "\n".join(out)
