@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from vllm_specgraph._checks import check_callable, check_instance, check_int
-from vllm_specgraph.channels import Channel, ChannelPool
+from vllm_specgraph.channels import Channel, ChannelPool, stream_is_capturing
 from vllm_specgraph.symm_mem_channel import symm_mem_channel_factory
 
 __all__ = [
@@ -281,7 +281,7 @@ class PeerAllReduce:
         if x.numel() == 0:
             return out
         if algorithm is Algorithm.NCCL:
-            if _stream_is_capturing():
+            if stream_is_capturing():
                 self._channel_pool.current()  # refuses a capture outside channel_pool.capture()
             if out is not x:
                 out.copy_(x)
@@ -348,10 +348,6 @@ class PeerAllReduce:
                 f"the current CUDA device is cuda:{current}, but this all-reduce runs on "
                 f"{self._device}; call torch.cuda.set_device({self._device.index}) first"
             )
-
-
-def _stream_is_capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _check_same_config(group: dist.ProcessGroup, config: AllReduceConfig) -> None:

@@ -43,6 +43,7 @@ __all__ = [
     "checkpoint_channel_pools",
     "device_channel_factory",
     "rollback_channel_pools",
+    "stream_is_capturing",
 ]
 
 # Process-wide counters: channel pool serials never repeat (unlike id()), and checkpoint tokens are
@@ -149,7 +150,8 @@ def _close_step(closing: list[_Closing], step: str) -> None:
         raise _CloseStepError(f"{step} failed for {detail}") from failures[0][1]
 
 
-def _stream_is_capturing() -> bool:
+def stream_is_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
@@ -282,7 +284,7 @@ class ChannelPool:
         stack = self._stack.get()
         if stack:
             return stack[-1]
-        if _stream_is_capturing():
+        if stream_is_capturing():
             raise RuntimeError(
                 f"ChannelPool {self._name!r}: current() called while the current stream is "
                 f"capturing a CUDA graph outside a capture() block of this channel pool; the "
@@ -364,7 +366,7 @@ class ChannelPool:
             self._run_close_steps("retry_close()")
 
     def _create(self, owner: str) -> Channel:
-        if _stream_is_capturing():
+        if stream_is_capturing():
             raise RuntimeError(
                 f"ChannelPool {self._name!r}: cannot create a channel for {owner!r} while the "
                 f"current stream is capturing a CUDA graph; {_FIX_CAPTURE_ORDER}"

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from vllm_specgraph.allreduce import Algorithm, PeerAllReduce
+from vllm_specgraph.channels import stream_is_capturing
 from vllm_specgraph.patches._patching import PatchSet
 from vllm_specgraph.switches import ALLREDUCE_MODES, current_switches
 
@@ -203,7 +204,7 @@ def _wrap_all_reduce(all_reduce: Callable[[Any, torch.Tensor], torch.Tensor]) ->
     @functools.wraps(all_reduce)
     def all_reduce_peer_first(self: Any, input_: torch.Tensor) -> torch.Tensor:
         peer: PeerAllReduce | None = getattr(self, "specgraph_all_reduce", None)
-        if peer is None or not _stream_is_capturing() or peer.select(input_) is Algorithm.NCCL:
+        if peer is None or not stream_is_capturing() or peer.select(input_) is Algorithm.NCCL:
             return all_reduce(self, input_)
         if not peer.channel_pool.in_capture():
             if not warned:
@@ -218,10 +219,6 @@ def _wrap_all_reduce(all_reduce: Callable[[Any, torch.Tensor], torch.Tensor]) ->
         return peer.all_reduce(input_)
 
     return all_reduce_peer_first
-
-
-def _stream_is_capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def install(patches: PatchSet, cuda_communicator: ModuleType) -> None:

@@ -33,8 +33,7 @@ from collections.abc import Callable, Hashable
 from types import ModuleType
 from typing import Generic, TypeVar
 
-import torch
-
+from vllm_specgraph.channels import stream_is_capturing
 from vllm_specgraph.lanes import DEFAULT_OWNER_LANES, current_owner
 from vllm_specgraph.patches._patching import PatchSet
 from vllm_specgraph.profile import current_disposable_pass
@@ -65,10 +64,6 @@ def _current_lane() -> int:
     return lane
 
 
-def _stream_is_capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 class LaneOwnedFactory(Generic[W]):
     """``create``'s results, one per (current owner lane, call arguments).
 
@@ -95,7 +90,7 @@ class LaneOwnedFactory(Generic[W]):
         key = (lane, *bound.arguments.items())
         if key in self._made:
             return self._made[key]
-        if _stream_is_capturing():
+        if stream_is_capturing():
             raise RuntimeError(
                 f"{self._name} was asked during a CUDA graph capture for a workspace that "
                 f"lane {lane} does not have yet ({dict(bound.arguments)}); its allocation "
