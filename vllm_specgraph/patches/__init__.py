@@ -94,6 +94,22 @@ PATCHES: tuple[Patch, ...] = (
         "those the disposable profile made are let go with it",
     ),
     Patch(
+        "vllm.model_executor.layers.attention.mla_attention",
+        ("MLAAttention.forward_impl",),
+        "the memory profile holds the MLA decode path's DCP transients (query gather, "
+        "all-head outputs, LSE combine), per owner",
+    ),
+    Patch(
+        "vllm.model_executor.layers.sparse_attn_indexer",
+        ("_reserve_row_shard_exchange_transient",),
+        "the memory profile holds the sparse indexer's DCP top-K merge transients",
+    ),
+    Patch(
+        "vllm.models.deepseek_v32.attention",
+        ("DeepseekV32Attention._sparse_indexer_and_attn",),
+        "the memory profile holds the DeepSeek-V3.2 sparse decode path's DCP transients",
+    ),
+    Patch(
         "vllm.v1.worker.gpu_model_runner",
         ("GPUModelRunner.profile_cudagraph_memory",),
         "the V1 runner's throwaway profiling captures leave no peer all-reduce channel behind",

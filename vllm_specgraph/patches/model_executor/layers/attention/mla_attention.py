@@ -1,0 +1,283 @@
+"""Patch for ``vllm.model_executor.layers.attention.mla_attention`` (vLLM 0.33.0).
+
+vLLM does: with decode context parallelism (DCP world size N > 1) an MLA
+layer's decode (MQA) path gathers the query heads of every DCP rank, runs the
+decode kernel over all N*H heads, and combines the partial outputs through
+their log-sum-exps. Every buffer of that path is made per call and grows with
+the tokens T that reach it. The memory profile runs the model without
+attention metadata (``profile_run`` with attention skipped): ``forward_impl``
+then reserves only the prefill context chunk's ``kv_b_proj`` output and the
+backend's workspace, so none of these transients is in the peak that sizes the
+KV cache, and the first long decode batch after start-up needs memory the KV
+cache took.
+
+The transients, per layer, in execution order (H heads per TP rank, L
+``kv_lora_rank``, R ``qk_rope_head_dim``, D = L + R; e bytes per activation,
+e_q per query element, fp8 where the query is quantized; LSE in float32):
+
+- query: ``[T, H, D]`` (e_q), the local query the gather sends;
+- query all-gather (vLLM's ``_gather_query``): the collective's output
+  ``[N*T, H, D]`` and its head-major copy ``[T, N*H, D]`` (e_q), both live
+  while the copy is made; the direct symmetric-memory gather returns a view of
+  its persistent workspace up to its capacity M (``max_num_tokens``) and falls
+  back to the all-gather above it; with query replication the query arrives
+  with N*H heads and nothing is gathered;
+- decode kernel outputs over all heads: ``[T, N*H, L]`` (e) and ``[T, N*H]``;
+- combine, by the backend vLLM selected (``dcp_comm_backend``):
+  - ``ag_rs`` (``cp_lse_ag_out_rs``): the LSE all-gather ``[N*T, N*H]`` with
+    the corrected LSE ``[T, N*H]``; then the reduce-scatter's input copy
+    ``[N*H, T, L]``, its output ``[H, T, L]`` and the result ``[T, H, L]`` (e);
+  - ``a2a`` over NCCL (``dcp_a2a_lse_reduce``): send and receive buffers
+    ``[N, T, H, L + p]`` each (e; p = 2 LSE columns packed into a 16-bit
+    dtype, 1 into float32) and the result ``[T, H, L]``;
+  - ``a2a`` through the direct symmetric-memory workspace: the result
+    ``[T, H, L]`` alone up to its capacity M, the NCCL ``a2a`` above it;
+  - with prefill context parallelism (``cp_lse_ag_out_ar``): the LSE
+    all-gather and corrected LSE, then the all-reduce's output ``[T, N*H, L]``.
+
+T is the tokens the decode path can take in one call: the whole dummy batch
+for sparse MLA (a prefill longer than the indexer's top-k goes through the
+decode path with every token of the batch), the DCP workspaces' capacity M
+(``get_dcp_workspace_max_num_tokens``) otherwise. Small per-token vectors
+(the empty-shard mask's indices) are left out.
+
+This patch changes: in that profiling branch, when the layer has a DCP
+manager (N > 1), ``forward_impl`` first makes every transient above with
+its shape and dtype, in the order and with the lifetimes the decode path
+gives them, and drops them before vLLM's own reservation; the profile's peak
+then holds the decode path's largest live set on top of what the dummy run
+holds at the attention call. The largest reservation is recorded per owner
+(target layers, draft layers: the owner whose lane is current) and logged
+once per owner and size. It allocates without computing, so it costs no
+start-up time and has no switch; with N = 1 nothing changes.
+
+Why: KV-cache memory the first long decode batch needs is an out-of-memory
+error in serving, long after start-up succeeded; the profile is where vLLM
+looks for the memory the forward pass takes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from vllm_specgraph.channels import stream_is_capturing
+from vllm_specgraph.lanes import DEFAULT_OWNER_LANES, current_owner
+from vllm_specgraph.patches._patching import PatchSet
+
+__all__ = [
+    "Transient",
+    "decode_transients",
+    "install",
+    "peak_bytes",
+    "profiling",
+    "reserve",
+    "reserved_bytes",
+]
+
+logger = logging.getLogger("vllm.specgraph")
+
+_MIB = 1 << 20
+_LANE_OWNERS = {lane: owner for owner, lane in DEFAULT_OWNER_LANES.items()}
+
+_reserved: dict[str, int] = {}
+
+
+@dataclass(frozen=True)
+class Transient:
+    """One buffer of a path: made at its place in the sequence, live until ``drop``."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+Step = tuple[str, Transient | str]
+"""``("make", transient)`` or ``("drop", name)``."""
+
+
+def peak_bytes(steps: Sequence[Step]) -> int:
+    """The largest sum of live transients over ``steps``."""
+    live: dict[str, int] = {}
+    peak = 0
+    for action, item in steps:
+        if action == "make":
+            assert isinstance(item, Transient)
+            live[item.name] = item.nbytes
+            peak = max(peak, sum(live.values()))
+        else:
+            live.pop(item)  # type: ignore[arg-type]
+    return peak
+
+
+def _combine_kind(manager: Any) -> tuple[str, int | None]:
+    """The combine vLLM's ``MLADCPManager`` selected, and a direct workspace's capacity."""
+    from vllm.v1.attention.ops import dcp
+
+    combine = manager.combine
+    func = getattr(combine, "func", combine)
+    if getattr(func, "__func__", None) is dcp.MLADCPManager._direct_workspace_combine:
+        return "direct_a2a", combine.args[0].max_num_tokens
+    for kind, fn in (
+        ("ag_rs", dcp.cp_lse_ag_out_rs),
+        ("ag_ar", dcp.cp_lse_ag_out_ar),
+        ("a2a", dcp.dcp_a2a_lse_reduce),
+    ):
+        if func is fn:
+            return kind, None
+    raise RuntimeError(
+        f"vllm-specgraph cannot size the DCP combine {func!r}: vLLM 0.33.0's MLADCPManager "
+        "selects cp_lse_ag_out_rs, cp_lse_ag_out_ar, dcp_a2a_lse_reduce or its direct "
+        "workspace; set VLLM_SPECGRAPH=0 for a vLLM that adds another"
+    )
+
+
+def _gathers_query(manager: Any, num_tokens: int) -> bool:
+    """Whether the query gather makes new buffers for ``num_tokens`` (a direct
+    workspace returns a view of itself up to its capacity)."""
+    gather = manager.query_gather
+    if gather is None:
+        return True  # prefill context parallelism gathers over the TP group
+    direct = getattr(gather, "args", ())
+    return not direct or num_tokens > direct[0].max_num_tokens
+
+
+def decode_transients(
+    layer: Any, num_tokens: int, dtype: torch.dtype, *, replicated_query: bool = False
+) -> list[Step]:
+    """The decode path's transients of ``layer`` for ``num_tokens`` tokens of
+    activation ``dtype``, in order (see the module docstring); empty without a
+    DCP manager."""
+    manager = getattr(layer, "dcp_manager", None)
+    if manager is None or num_tokens <= 0:
+        return []
+    n, h = manager.group.world_size, layer.num_heads
+    lora, rope = layer.kv_lora_rank, layer.qk_rope_head_dim
+    t = num_tokens if layer.impl.is_sparse else min(num_tokens, manager.max_num_tokens)
+    act, query = dtype, _query_dtype(layer, dtype)
+    steps: list[Step] = []
+
+    def make(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        steps.append(("make", Transient(name, shape, dtype)))
+
+    def drop(*names: str) -> None:
+        steps.extend(("drop", name) for name in names)
+
+    if replicated_query:
+        make("query", (t, n * h, lora + rope), query)
+    else:
+        make("query", (t, h, lora + rope), query)
+        if _gathers_query(manager, t):
+            make("gather_out", (n * t, h, lora + rope), query)
+            make("gathered_query", (t, n * h, lora + rope), query)
+            drop("gather_out")
+    make("attn_out", (t, n * h, lora), act)
+    make("lse", (t, n * h), torch.float32)
+    kind, capacity = _combine_kind(manager)
+    if kind == "direct_a2a" and capacity is not None and t > capacity:
+        kind = "a2a"
+    if kind in ("ag_rs", "ag_ar"):
+        make("lse_gathered", (n * t, n * h), torch.float32)
+        make("lse_corrected", (t, n * h), torch.float32)
+        drop("lse_gathered")
+        if kind == "ag_rs":
+            make("rs_in", (n * h, t, lora), act)
+            make("rs_out", (h, t, lora), act)
+            make("combined", (t, h, lora), act)
+        else:
+            make("combined", (t, n * h, lora), act)
+    elif kind == "a2a":
+        pack = 2 if torch.finfo(act).bits == 16 else 1
+        make("a2a_send", (n, t, h, lora + pack), act)
+        make("a2a_recv", (n, t, h, lora + pack), act)
+        make("combined", (t, h, lora), act)
+    else:
+        make("combined", (t, h, lora), act)
+    return steps
+
+
+def _owner() -> str:
+    owner = current_owner()
+    return _LANE_OWNERS.get(owner, str(owner)) if isinstance(owner, int) else str(owner)
+
+
+def reserve(steps: Sequence[Step], device: torch.device, what: str) -> int:
+    """Make ``steps``' buffers on ``device`` and drop them; returns their peak
+    and records it for the current owner."""
+    if not steps:
+        return 0
+    live: dict[str, torch.Tensor] = {}
+    for action, item in steps:
+        if action == "make":
+            assert isinstance(item, Transient)
+            live[item.name] = torch.empty(item.shape, dtype=item.dtype, device=device)
+        else:
+            del live[item]  # type: ignore[arg-type]
+    live.clear()
+    peak = peak_bytes(steps)
+    owner = _owner()
+    if peak > _reserved.get(owner, 0):
+        _reserved[owner] = peak
+        logger.info(
+            "vllm-specgraph: the memory profile holds %s's DCP transients for %s: %.1f MiB",
+            owner,
+            what,
+            peak / _MIB,
+        )
+    return peak
+
+
+def reserved_bytes() -> dict[str, int]:
+    """The largest DCP transient reservation per owner so far."""
+    return dict(_reserved)
+
+
+def profiling(attn_metadata: object) -> bool:
+    """Whether a forward without ``attn_metadata`` is the memory profile's dummy run."""
+    return attn_metadata is None and not stream_is_capturing()
+
+
+def _wrap_forward_impl(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def forward_impl(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, output, *args, **kwargs):
+        if self.dcp_manager is not None and profiling(attn_metadata):
+            replicated = kwargs.get("q_dcp_replicated") is not None
+            steps = decode_transients(self, q.size(0), q.dtype, replicated_query=replicated)
+            reserve(steps, q.device, "the MLA decode path")
+        return original(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, output, *args, **kwargs)
+
+    return forward_impl
+
+
+def _query_dtype(layer: Any, dtype: torch.dtype) -> torch.dtype:
+    """The query dtype ``MLAAttention.__init__`` gives its DCP manager."""
+    from vllm.model_executor.layers.attention import mla_attention as mla
+
+    quantized = (
+        mla.is_quantized_kv_cache(layer.kv_cache_dtype)
+        and layer.kv_cache_dtype != "fp8_ds_mla"
+        and layer.impl.supports_quant_query_input
+    )
+    return mla.current_platform.fp8_dtype() if quantized else dtype
+
+
+def install(patches: PatchSet, mla_attention: ModuleType) -> None:
+    patches.wrap(
+        mla_attention.MLAAttention,
+        "forward_impl",
+        _wrap_forward_impl,
+        parameters=("q", "k_c_normed", "k_pe", "kv_cache", "attn_metadata", "output"),
+    )
