@@ -111,13 +111,15 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         "vllm.v1.worker.gpu_model_runner",
-        ("GPUModelRunner.profile_cudagraph_memory",),
-        "the V1 runner's throwaway profiling captures leave no peer all-reduce channel behind",
+        ("GPUModelRunner.profile_cudagraph_memory", "GPUModelRunner.profile_run"),
+        "the V1 runner's throwaway profiling captures leave no peer all-reduce channel behind; "
+        "its memory profile's dummy run is marked as such",
     ),
     Patch(
         "vllm.v1.worker.gpu.model_runner",
         (
             "GPUModelRunner.__init__",
+            "GPUModelRunner.profile_run",
             "GPUModelRunner.capture_model",
             "init_speculator",
             "refresh_quantized_lm_heads",

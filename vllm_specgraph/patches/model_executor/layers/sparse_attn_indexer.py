@@ -29,6 +29,7 @@ import torch
 
 from vllm_specgraph.channels import stream_is_capturing
 from vllm_specgraph.patches._patching import PatchSet
+from vllm_specgraph.patches._profile_run import in_profile_run
 from vllm_specgraph.patches.model_executor.layers.attention.mla_attention import (
     Transient,
     reserve,
@@ -53,7 +54,7 @@ def _wrap_reserve(indexer: ModuleType) -> Callable[[Callable], Callable]:
     def wrap(original: Callable) -> Callable:
         @functools.wraps(original)
         def _reserve_row_shard_exchange_transient(topk_indices_buffer, device):
-            if not stream_is_capturing():
+            if in_profile_run() and not stream_is_capturing():
                 world_size = indexer.get_dcp_group().world_size
                 rows, width = topk_indices_buffer.shape[:2]
                 steps = merge_transients(rows, width, world_size)
@@ -66,6 +67,12 @@ def _wrap_reserve(indexer: ModuleType) -> Callable[[Callable], Callable]:
 
 
 def install(patches: PatchSet, sparse_attn_indexer: ModuleType) -> None:
+    if not callable(getattr(sparse_attn_indexer, "get_dcp_group", None)):
+        raise RuntimeError(
+            f"vllm-specgraph cannot patch {sparse_attn_indexer.__name__}: it no longer "
+            "imports get_dcp_group, which the top-K merge reservation reads; set "
+            "VLLM_SPECGRAPH=0 for this vLLM"
+        )
     patches.wrap(
         sparse_attn_indexer,
         "_reserve_row_shard_exchange_transient",

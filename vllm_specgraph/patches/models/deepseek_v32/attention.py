@@ -40,7 +40,7 @@ def _wrap_sparse_indexer_and_attn(original: Callable) -> Callable:
             from vllm.forward_context import get_forward_context
 
             if profiling(get_forward_context().attn_metadata):
-                steps = decode_transients(self, q_c.size(0), q_c.dtype)
+                steps = decode_transients(self, q_c.size(0), q_c.dtype, with_ql_nope=False)
                 reserve(steps, q_c.device, "the sparse MLA decode path")
         return original(self, positions, q_c, *args, **kwargs)
 

@@ -11,7 +11,9 @@ This patch changes: where the plugin's peer all-reduce serves a group (the
 ``cuda_communicator`` patch), the channels those throwaway captures bound are
 rolled back on every rank once the profile returns, also on error: the core's
 channel checkpoint before it, the coordinated rollback after. Elsewhere it
-calls vLLM's profile and nothing else.
+calls vLLM's profile and nothing else. ``profile_run`` (the memory profile's
+dummy run) runs marked as such (:mod:`vllm_specgraph.patches._profile_run`), for
+the patches that reserve memory there.
 
 Why: each ``graph_capture`` block binds a fresh channel, which holds its buffer
 and signal pad (10 MiB per rank with the default 8 MiB buffer) on every rank;
@@ -27,6 +29,7 @@ from types import ModuleType
 
 from vllm_specgraph.channels import checkpoint_channel_pools, rollback_channel_pools
 from vllm_specgraph.patches._patching import PatchSet
+from vllm_specgraph.patches._profile_run import wrap_profile_run
 from vllm_specgraph.patches.distributed.parallel_state import group_channel_pools
 
 __all__ = ["install"]
@@ -55,3 +58,4 @@ def install(patches: PatchSet, gpu_model_runner: ModuleType) -> None:
         _rolling_back_channels,
         parameters=("self",),
     )
+    patches.wrap(gpu_model_runner.GPUModelRunner, "profile_run", wrap_profile_run)

@@ -15,14 +15,16 @@ The transients, per layer, in execution order (H heads per TP rank, L
 ``kv_lora_rank``, R ``qk_rope_head_dim``, D = L + R; e bytes per activation,
 e_q per query element, fp8 where the query is quantized; LSE in float32):
 
-- query: ``[T, H, D]`` (e_q), the local query the gather sends;
+- the absorbed query ``[T, H, L]`` (e), live to the end of the call, and the
+  concatenated query ``[T, H, D]`` (e_q) the gather sends, dropped once the
+  gather returns; with query replication both arrive with N*H heads and stay;
 - query all-gather (vLLM's ``_gather_query``): the collective's output
   ``[N*T, H, D]`` and its head-major copy ``[T, N*H, D]`` (e_q), both live
   while the copy is made; the direct symmetric-memory gather returns a view of
   its persistent workspace up to its capacity M (``max_num_tokens``) and falls
-  back to the all-gather above it; with query replication the query arrives
-  with N*H heads and nothing is gathered;
-- decode kernel outputs over all heads: ``[T, N*H, L]`` (e) and ``[T, N*H]``;
+  back to the all-gather above it; with query replication nothing is gathered;
+- decode kernel outputs over all heads: ``[T, N*H, L]`` (e) and ``[T, N*H]``,
+  over the backend's padded head count where it pads (CUTLASS: 128);
 - combine, by the backend vLLM selected (``dcp_comm_backend``):
   - ``ag_rs`` (``cp_lse_ag_out_rs``): the LSE all-gather ``[N*T, N*H]`` with
     the corrected LSE ``[T, N*H]``; then the reduce-scatter's input copy
@@ -31,25 +33,32 @@ e_q per query element, fp8 where the query is quantized; LSE in float32):
     ``[N, T, H, L + p]`` each (e; p = 2 LSE columns packed into a 16-bit
     dtype, 1 into float32) and the result ``[T, H, L]``;
   - ``a2a`` through the direct symmetric-memory workspace: the result
-    ``[T, H, L]`` alone up to its capacity M, the NCCL ``a2a`` above it;
-  - with prefill context parallelism (``cp_lse_ag_out_ar``): the LSE
-    all-gather and corrected LSE, then the all-reduce's output ``[T, N*H, L]``.
+    ``[T, H, L]`` alone up to its capacity M, the NCCL ``a2a`` above it.
 
 T is the tokens the decode path can take in one call: the whole dummy batch
 for sparse MLA (a prefill longer than the indexer's top-k goes through the
 decode path with every token of the batch), the DCP workspaces' capacity M
-(``get_dcp_workspace_max_num_tokens``) otherwise. Small per-token vectors
-(the empty-shard mask's indices) are left out.
+(``get_dcp_workspace_max_num_tokens``) otherwise.
 
-This patch changes: in that profiling branch, when the layer has a DCP
-manager (N > 1), ``forward_impl`` first makes every transient above with
-its shape and dtype, in the order and with the lifetimes the decode path
-gives them, and drops them before vLLM's own reservation; the profile's peak
-then holds the decode path's largest live set on top of what the dummy run
-holds at the attention call. The largest reservation is recorded per owner
-(target layers, draft layers: the owner whose lane is current) and logged
-once per owner and size. It allocates without computing, so it costs no
-start-up time and has no switch; with N = 1 nothing changes.
+Not modelled, so not reserved: small per-token vectors (the empty-shard
+mask's indices); what a decode kernel makes inside its own op (FlashMLA's
+split-KV accumulators, FLASHMLA_SPARSE's padded query, output copy and
+``[T, K]`` index conversion, the sparse backends' empty-row masks); prefill
+context parallelism with DCP (the DeepSeek-V3.2 layer's, which gathers over
+the TP group); the sparse indexer's float32 logits upcast under DCP; and the
+model-specific MLA layers with their own DCP paths (Kimi K3's, GLM-5-next's
+indexer, which imports vLLM's reservation by value).
+
+This patch changes: in that profiling branch, during a runner's
+``profile_run`` (:mod:`vllm_specgraph.patches._profile_run`) and never while a
+graph is captured, when the layer has a DCP manager (N > 1), ``forward_impl``
+first makes every transient above with its shape and dtype, in the order and
+with the lifetimes listed, and drops them before vLLM's own reservation; the
+profile's peak then holds the decode path's largest live set on top of what
+the dummy run holds at the attention call. The largest reservation is recorded
+per owner (target layers, draft layers: the owner whose lane is current) and
+logged once per owner and size. It allocates without computing, so it costs
+no start-up time and has no switch; with N = 1 nothing changes.
 
 Why: KV-cache memory the first long decode batch needs is an out-of-memory
 error in serving, long after start-up succeeded; the profile is where vLLM
@@ -70,6 +79,7 @@ import torch
 from vllm_specgraph.channels import stream_is_capturing
 from vllm_specgraph.lanes import DEFAULT_OWNER_LANES, current_owner
 from vllm_specgraph.patches._patching import PatchSet
+from vllm_specgraph.patches._profile_run import in_profile_run
 
 __all__ = [
     "Transient",
@@ -156,18 +166,26 @@ def _gathers_query(manager: Any, num_tokens: int) -> bool:
 
 
 def decode_transients(
-    layer: Any, num_tokens: int, dtype: torch.dtype, *, replicated_query: bool = False
+    layer: Any,
+    num_tokens: int,
+    dtype: torch.dtype,
+    *,
+    replicated_query: bool = False,
+    with_ql_nope: bool = True,
 ) -> list[Step]:
     """The decode path's transients of ``layer`` for ``num_tokens`` tokens of
     activation ``dtype``, in order (see the module docstring); empty without a
-    DCP manager."""
+    DCP manager or with prefill context parallelism. ``with_ql_nope``: the
+    layer makes the absorbed query itself (DeepSeek-V3.2's has it already)."""
     manager = getattr(layer, "dcp_manager", None)
-    if manager is None or num_tokens <= 0:
+    if manager is None or manager.query_gather is None or num_tokens <= 0:
         return []
     n, h = manager.group.world_size, layer.num_heads
     lora, rope = layer.kv_lora_rank, layer.qk_rope_head_dim
     t = num_tokens if layer.impl.is_sparse else min(num_tokens, manager.max_num_tokens)
-    act, query = dtype, _query_dtype(layer, dtype)
+    query = _query_dtype(layer, dtype)
+    heads = n * h if replicated_query else h
+    kernel_heads = max(n * h, manager.padded_num_heads or 0)
     steps: list[Step] = []
 
     def make(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -176,16 +194,17 @@ def decode_transients(
     def drop(*names: str) -> None:
         steps.extend(("drop", name) for name in names)
 
-    if replicated_query:
-        make("query", (t, n * h, lora + rope), query)
-    else:
-        make("query", (t, h, lora + rope), query)
+    if with_ql_nope:
+        make("ql_nope", (t, heads, lora), dtype)
+    make("query", (t, heads, lora + rope), query)
+    if not replicated_query:
         if _gathers_query(manager, t):
             make("gather_out", (n * t, h, lora + rope), query)
             make("gathered_query", (t, n * h, lora + rope), query)
             drop("gather_out")
-    make("attn_out", (t, n * h, lora), act)
-    make("lse", (t, n * h), torch.float32)
+        drop("query")  # the gather's result replaces it
+    make("attn_out", (t, kernel_heads, lora), dtype)
+    make("lse", (t, kernel_heads), torch.float32)
     kind, capacity = _combine_kind(manager)
     if kind == "direct_a2a" and capacity is not None and t > capacity:
         kind = "a2a"
@@ -194,18 +213,18 @@ def decode_transients(
         make("lse_corrected", (t, n * h), torch.float32)
         drop("lse_gathered")
         if kind == "ag_rs":
-            make("rs_in", (n * h, t, lora), act)
-            make("rs_out", (h, t, lora), act)
-            make("combined", (t, h, lora), act)
+            make("rs_in", (n * h, t, lora), dtype)
+            make("rs_out", (h, t, lora), dtype)
+            make("combined", (t, h, lora), dtype)
         else:
-            make("combined", (t, n * h, lora), act)
+            make("combined", (t, n * h, lora), dtype)
     elif kind == "a2a":
-        pack = 2 if torch.finfo(act).bits == 16 else 1
-        make("a2a_send", (n, t, h, lora + pack), act)
-        make("a2a_recv", (n, t, h, lora + pack), act)
-        make("combined", (t, h, lora), act)
+        pack = 2 if torch.finfo(dtype).bits == 16 else 1
+        make("a2a_send", (n, t, h, lora + pack), dtype)
+        make("a2a_recv", (n, t, h, lora + pack), dtype)
+        make("combined", (t, h, lora), dtype)
     else:
-        make("combined", (t, h, lora), act)
+        make("combined", (t, h, lora), dtype)
     return steps
 
 
@@ -247,7 +266,7 @@ def reserved_bytes() -> dict[str, int]:
 
 def profiling(attn_metadata: object) -> bool:
     """Whether a forward without ``attn_metadata`` is the memory profile's dummy run."""
-    return attn_metadata is None and not stream_is_capturing()
+    return attn_metadata is None and in_profile_run() and not stream_is_capturing()
 
 
 def _wrap_forward_impl(original: Callable) -> Callable:
@@ -279,5 +298,13 @@ def install(patches: PatchSet, mla_attention: ModuleType) -> None:
         mla_attention.MLAAttention,
         "forward_impl",
         _wrap_forward_impl,
-        parameters=("q", "k_c_normed", "k_pe", "kv_cache", "attn_metadata", "output"),
+        parameters=(
+            "q",
+            "k_c_normed",
+            "k_pe",
+            "kv_cache",
+            "attn_metadata",
+            "output",
+            "q_dcp_replicated",
+        ),
     )

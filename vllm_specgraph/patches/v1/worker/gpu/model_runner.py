@@ -13,7 +13,9 @@ and ``lock_workspace`` keep working, now on the core workspace); the draft-head
 refresh runs there too. ``_profile_cudagraph_memory`` is the exact disposable
 profile of :mod:`vllm_specgraph.patches.v1.worker.gpu.cudagraph_utils`, and
 ``capture_model`` measures the production capture per owner the same way and
-logs it against the profile's estimate.
+logs it against the profile's estimate. ``profile_run`` (the memory profile's
+dummy run) runs marked as such (:mod:`vllm_specgraph.patches._profile_run`), for
+the patches that reserve memory there.
 
 Why: a speculator phase in lane 0 takes views of, or grows, the target's
 buffer, under the target's captured graphs; an estimate is only worth the
@@ -38,6 +40,7 @@ from vllm_specgraph.patches._capture_meter import (
     metering,
 )
 from vllm_specgraph.patches._patching import PatchSet
+from vllm_specgraph.patches._profile_run import wrap_profile_run
 
 __all__ = ["install", "run_speculator_in_draft_lane"]
 
@@ -201,6 +204,7 @@ def install(patches: PatchSet, model_runner: ModuleType) -> None:
         )
     runner = model_runner.GPUModelRunner
     patches.wrap(runner, "__init__", _wrap_init, parameters=("vllm_config",))
+    patches.wrap(runner, "profile_run", wrap_profile_run)
     patches.wrap(
         runner,
         "capture_model",
