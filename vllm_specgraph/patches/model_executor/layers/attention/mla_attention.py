@@ -112,7 +112,7 @@ class Transient:
         numel = 1
         for size in self.shape:
             numel *= size
-        return numel * torch.empty((), dtype=self.dtype).element_size()
+        return numel * self.dtype.itemsize
 
 
 Step = tuple[str, Transient | str]
