@@ -8,7 +8,6 @@ The NCCL path is the real torch.distributed.all_reduce, on gloo.
 
 from __future__ import annotations
 
-import datetime
 import json
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo_group import init_gloo_group
 
 from vllm_specgraph import allreduce as allreduce_module
 from vllm_specgraph.allreduce import Algorithm, AllReduceConfig, PeerAllReduce
@@ -84,13 +84,7 @@ def _staged_in(calls: list, channel) -> bool:
 
 
 def _worker(rank: int, store_path: str, result_dir: str) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store_path}",
-        rank=rank,
-        world_size=_WORLD_SIZE,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_gloo_group(rank, store_path, _WORLD_SIZE, timeout_s=60)
     calls: list[tuple[str, int]] = []
     allreduce_module._run_symm_mem_op = _emulated_symm_mem_op(calls)
     result: dict[str, object] = {}

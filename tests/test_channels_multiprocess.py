@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import datetime
 import time
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo_group import init_gloo_group
 
 from vllm_specgraph.channels import ChannelPool
 
@@ -47,13 +47,7 @@ class _LoggedChannel:
 
 
 def _worker(rank: int, store_path: str, log_dir: str) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store_path}",
-        rank=rank,
-        world_size=_WORLD_SIZE,
-        timeout=datetime.timedelta(seconds=30),
-    )
+    init_gloo_group(rank, store_path, _WORLD_SIZE)
     try:
         log_path = Path(log_dir) / f"rank{rank}.log"
         channel_pool = ChannelPool(

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import datetime
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo_group import init_gloo_group
 
 from vllm_specgraph.ranks import on_any_rank
 
@@ -18,13 +18,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _worker(rank: int, store_path: str, out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store_path}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=30),
-    )
+    init_gloo_group(rank, store_path, 2)
     try:
         group = dist.new_group(backend="gloo")
         decisions = [

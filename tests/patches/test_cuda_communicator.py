@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from gloo_group import init_gloo_group
 
 import vllm_specgraph.allreduce as allreduce_module
 from vllm_specgraph.allreduce import PeerAllReduce
@@ -241,7 +242,6 @@ def test_communicator_without_the_patchs_attribute_keeps_vllms_all_reduce(env):
 
 
 def _vote_worker(rank: int, store_path: str, result_dir: str) -> None:
-    import datetime
     from pathlib import Path
 
     import vllm.distributed.parallel_state as parallel_state
@@ -256,13 +256,7 @@ def _vote_worker(rank: int, store_path: str, result_dir: str) -> None:
     torch.cuda.device_count = lambda: 2
     torch.cuda.can_device_access_peer = lambda this, other: rank == 0
     torch.cuda.get_device_properties = lambda index: SimpleNamespace(uuid=f"GPU-{index}")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store_path}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=30),
-    )
+    init_gloo_group(rank, store_path, 2)
     try:
         (Path(result_dir) / f"rank{rank}").write_text(str(_peers_reachable(dist.group.WORLD)))
     finally:
