@@ -57,6 +57,7 @@ __all__ = [
     "OwnerBytes",
     "WorkspaceLockedError",
     "current_owner",
+    "current_owner_name",
     "use_lane",
     "use_owner",
 ]
@@ -85,6 +86,15 @@ current_owner: Callable[[], Owner] = _current_owner.get
 
 The context variable's own ``get``: a decode step asks several times, and this
 costs no Python call."""
+
+_LANE_OWNERS = {lane: owner for owner, lane in DEFAULT_OWNER_LANES.items()}
+
+
+def current_owner_name() -> str:
+    """The current owner by name; a lane vLLM selected by index maps back through
+    :data:`DEFAULT_OWNER_LANES` (``"lane N"`` for one it does not name)."""
+    owner = current_owner()
+    return owner if isinstance(owner, str) else _LANE_OWNERS.get(owner, f"lane {owner}")
 
 
 def use_owner(owner: Owner) -> AbstractContextManager[None]:

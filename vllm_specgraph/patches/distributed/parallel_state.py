@@ -28,26 +28,17 @@ from types import ModuleType
 from typing import Any
 
 from vllm_specgraph.channels import ChannelPool
-from vllm_specgraph.lanes import DEFAULT_OWNER_LANES, current_owner
+from vllm_specgraph.lanes import current_owner_name
 from vllm_specgraph.patches._patching import PatchSet
 
 __all__ = ["group_channel_pools", "install"]
-
-
-_LANE_OWNERS = {lane: owner for owner, lane in DEFAULT_OWNER_LANES.items()}
-
-
-def _capture_owner() -> str:
-    # vLLM selects lanes by index (the speculator runs in lane 1).
-    owner = current_owner()
-    return owner if isinstance(owner, str) else _LANE_OWNERS.get(owner, f"lane {owner}")
 
 
 def _channel_for_capture(group: Any) -> AbstractContextManager[object]:
     peer = getattr(group.device_communicator, "specgraph_all_reduce", None)
     if peer is None:
         return nullcontext()
-    return peer.channel_pool.capture(owner=_capture_owner())
+    return peer.channel_pool.capture(owner=current_owner_name())
 
 
 def group_channel_pools() -> list[ChannelPool]:

@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -77,7 +78,7 @@ from typing import Any
 import torch
 
 from vllm_specgraph.channels import stream_is_capturing
-from vllm_specgraph.lanes import DEFAULT_OWNER_LANES, current_owner
+from vllm_specgraph.lanes import current_owner_name
 from vllm_specgraph.patches._patching import PatchSet
 from vllm_specgraph.patches._profile_run import in_profile_run
 
@@ -94,7 +95,6 @@ __all__ = [
 logger = logging.getLogger("vllm.specgraph")
 
 _MIB = 1 << 20
-_LANE_OWNERS = {lane: owner for owner, lane in DEFAULT_OWNER_LANES.items()}
 
 _reserved: dict[str, int] = {}
 
@@ -109,10 +109,7 @@ class Transient:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 Step = tuple[str, Transient | str]
@@ -228,11 +225,6 @@ def decode_transients(
     return steps
 
 
-def _owner() -> str:
-    owner = current_owner()
-    return _LANE_OWNERS.get(owner, str(owner)) if isinstance(owner, int) else str(owner)
-
-
 def reserve(steps: Sequence[Step], device: torch.device, what: str) -> int:
     """Make ``steps``' buffers on ``device`` and drop them; returns their peak
     and records it for the current owner."""
@@ -247,7 +239,7 @@ def reserve(steps: Sequence[Step], device: torch.device, what: str) -> int:
             del live[item]  # type: ignore[arg-type]
     live.clear()
     peak = peak_bytes(steps)
-    owner = _owner()
+    owner = current_owner_name()
     if peak > _reserved.get(owner, 0):
         _reserved[owner] = peak
         logger.info(
