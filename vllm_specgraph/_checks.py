@@ -7,13 +7,16 @@ import operator
 __all__ = ["check_bool", "check_callable", "check_instance", "check_int", "check_str"]
 
 
-def check_int(name: str, value: object, minimum: int, fix: str) -> None:
+def check_int(name: str, value: object, minimum: int, fix: str) -> int:
+    """``value`` as a plain int (torch and slot keys take nothing else)."""
     # Type before range: "'<=' not supported between 'str' and 'int'" names nothing.
     # Any integer type counts (numpy's too), as everywhere in this package; bool does not.
     if isinstance(value, bool) or not hasattr(type(value), "__index__"):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}); {fix}")
-    if operator.index(value) < minimum:
+    index = operator.index(value)
+    if index < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}; {fix}")
+    return index
 
 
 def check_str(name: str, value: object, fix: str) -> None:

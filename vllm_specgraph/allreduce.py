@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import operator
 from collections.abc import Callable
 
 import torch
@@ -107,17 +106,17 @@ class AllReduceConfig:
     two_shot_max_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        check_int("channel_bytes", self.channel_bytes, 1, "pass the buffer size, e.g. 8 << 20")
-        check_int("one_shot_max_bytes", self.one_shot_max_bytes, 0, "pass bytes, 0 for never")
-        if self.two_shot_max_bytes is not None:
-            fix = "pass bytes, 0 for never, or None for up to channel_bytes"
-            check_int("two_shot_max_bytes", self.two_shot_max_bytes, 0, fix)
         # Plain ints from here on (numpy integers are accepted): torch's
         # symmetric-memory calls take nothing else.
-        for name in ("channel_bytes", "one_shot_max_bytes", "two_shot_max_bytes"):
+        checks = {
+            "channel_bytes": (1, "pass the buffer size, e.g. 8 << 20"),
+            "one_shot_max_bytes": (0, "pass bytes, 0 for never"),
+            "two_shot_max_bytes": (0, "pass bytes, 0 for never, or None for up to channel_bytes"),
+        }
+        for name, (minimum, fix) in checks.items():
             value = getattr(self, name)
             if value is not None:
-                object.__setattr__(self, name, operator.index(value))
+                object.__setattr__(self, name, check_int(name, value, minimum, fix))
 
 
 def _refusal(

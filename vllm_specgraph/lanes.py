@@ -256,23 +256,26 @@ class LaneWorkspace:
     ) -> None:
         if num_ubatches is None:
             num_ubatches = 1
-        check_int("num_ubatches", num_ubatches, 1, "dual-batch overlap uses 2, else 1")
+        # Plain ints from here on (numpy integers are accepted): they key the slots.
+        num_ubatches = check_int(
+            "num_ubatches", num_ubatches, 1, "dual-batch overlap uses 2, else 1"
+        )
+        lanes: dict[str, int] = {}
         for owner, lane in owner_lanes.items():
             check_str("an owner_lanes key", owner, "name owners like 'target' or 'draft'")
-            check_int(f"owner_lanes[{owner!r}]", lane, 0, _LANES_FIX)
+            lanes[owner] = check_int(f"owner_lanes[{owner!r}]", lane, 0, _LANES_FIX)
         if num_lanes is None:
-            num_lanes = max(owner_lanes.values(), default=-1) + 1
-        check_int("num_lanes", num_lanes, 1, "map at least one owner (owner_lanes={'target': 0})")
-        beyond = {o: lane for o, lane in owner_lanes.items() if lane >= num_lanes}
+            num_lanes = max(lanes.values(), default=-1) + 1
+        num_lanes = check_int(
+            "num_lanes", num_lanes, 1, "map at least one owner (owner_lanes={'target': 0})"
+        )
+        beyond = {o: lane for o, lane in lanes.items() if lane >= num_lanes}
         if beyond:
             raise ValueError(f"owners {beyond} map past num_lanes={num_lanes}; raise num_lanes")
         self.device = torch.device(device)
-        # Plain ints from here on (numpy integers are accepted): they key the slots.
-        self.num_ubatches = operator.index(num_ubatches)
-        self.num_lanes = operator.index(num_lanes)
-        self.owner_lanes: Mapping[str, int] = {
-            owner: operator.index(lane) for owner, lane in owner_lanes.items()
-        }
+        self.num_ubatches = num_ubatches
+        self.num_lanes = num_lanes
+        self.owner_lanes: Mapping[str, int] = lanes
         self._alloc_context = alloc_context
         self._ubatch_id = ubatch_id
         if is_capturing is None:
@@ -316,8 +319,7 @@ class LaneWorkspace:
         if ubatch is None:
             ubatch = self._ubatch_id()
         if type(ubatch) is not int or not 0 <= ubatch < self.num_ubatches:
-            check_int("ubatch", ubatch, 0, "pass the micro-batch index")
-            ubatch = operator.index(ubatch)  # a numpy integer, say
+            ubatch = check_int("ubatch", ubatch, 0, "pass the micro-batch index")
             if ubatch >= self.num_ubatches:
                 raise ValueError(f"ubatch must be in [0, {self.num_ubatches}), got {ubatch}")
         owner = current_owner()

@@ -12,7 +12,6 @@ Depends on torch only and never imports vLLM.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -113,8 +112,7 @@ def symm_mem_channel_factory(
     allocated on this rank; the channel pool then records no channel.
     """
     check_instance("group", group, dist.ProcessGroup, "pass the torch.distributed group")
-    check_int("nbytes", nbytes, 1, "pass the channel buffer's size in bytes, e.g. 1 << 20")
-    nbytes = operator.index(nbytes)  # torch's symmetric-memory calls take plain ints
+    nbytes = check_int("nbytes", nbytes, 1, "pass the channel buffer's size in bytes, e.g. 1 << 20")
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(
