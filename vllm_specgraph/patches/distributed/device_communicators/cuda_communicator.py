@@ -53,6 +53,7 @@ import torch.distributed as dist
 from vllm_specgraph.allreduce import Algorithm, PeerAllReduce
 from vllm_specgraph.channels import stream_is_capturing
 from vllm_specgraph.patches._patching import PatchSet
+from vllm_specgraph.ranks import on_any_rank
 from vllm_specgraph.switches import ALLREDUCE_MODES, current_switches
 
 __all__ = ["ALLREDUCE_MODES", "BACKEND_NAME", "allreduce_mode", "install"]
@@ -131,9 +132,7 @@ def _peers_reachable(cpu_group: Any) -> bool:
     reachable = same_node and all(
         index is not None and torch.cuda.can_device_access_peer(this, index) for index in others
     )
-    vote = torch.tensor([int(reachable)])
-    dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=cpu_group)
-    return bool(vote.item())
+    return not on_any_rank(not reachable, cpu_group)
 
 
 def _gpu_uuid(index: int) -> str:

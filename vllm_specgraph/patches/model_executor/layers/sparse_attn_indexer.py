@@ -27,11 +27,10 @@ from types import ModuleType
 
 import torch
 
-from vllm_specgraph.channels import stream_is_capturing
 from vllm_specgraph.patches._patching import PatchSet
-from vllm_specgraph.patches._profile_run import in_profile_run
 from vllm_specgraph.patches.model_executor.layers.attention.mla_attention import (
     Transient,
+    profiling,
     reserve,
 )
 
@@ -54,7 +53,7 @@ def _wrap_reserve(indexer: ModuleType) -> Callable[[Callable], Callable]:
     def wrap(original: Callable) -> Callable:
         @functools.wraps(original)
         def _reserve_row_shard_exchange_transient(topk_indices_buffer, device):
-            if in_profile_run() and not stream_is_capturing():
+            if profiling():
                 world_size = indexer.get_dcp_group().world_size
                 rows, width = topk_indices_buffer.shape[:2]
                 steps = merge_transients(rows, width, world_size)

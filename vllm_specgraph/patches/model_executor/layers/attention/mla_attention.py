@@ -256,7 +256,7 @@ def reserved_bytes() -> dict[str, int]:
     return dict(_reserved)
 
 
-def profiling(attn_metadata: object) -> bool:
+def profiling(attn_metadata: object = None) -> bool:
     """Whether a forward without ``attn_metadata`` is the memory profile's dummy run."""
     return attn_metadata is None and in_profile_run() and not stream_is_capturing()
 
