@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 __all__ = [
     "ALLREDUCE_MODES",
@@ -59,7 +60,10 @@ class Switches:
     allreduce: str = "auto"
 
 
-def _choice(environ: Mapping[str, str], name: str, allowed: Mapping[str, str], default: str) -> str:
+V = TypeVar("V")
+
+
+def _choice(environ: Mapping[str, str], name: str, allowed: Mapping[str, V], default: V) -> V:
     raw = environ.get(name)
     if raw is None:
         return default
@@ -81,8 +85,8 @@ def read_switches(environ: Mapping[str, str] | None = None) -> Switches:
     environ = os.environ if environ is None else environ
     on_off = {spelling: "1" if on else "0" for spelling, on in BOOLEAN_SPELLINGS.items()}
     return Switches(
-        enabled=_choice(environ, "VLLM_SPECGRAPH", on_off, "1") == "1",
-        force=_choice(environ, "VLLM_SPECGRAPH_FORCE", on_off, "0") == "1",
+        enabled=_choice(environ, "VLLM_SPECGRAPH", BOOLEAN_SPELLINGS, True),
+        force=_choice(environ, "VLLM_SPECGRAPH_FORCE", BOOLEAN_SPELLINGS, False),
         profile=_choice(environ, "VLLM_SPECGRAPH_PROFILE", {m: m for m in PROFILE_MODES}, "exact"),
         allreduce=_choice(environ, "VLLM_SPECGRAPH_ALLREDUCE", {"auto": "auto", **on_off}, "auto"),
     )
