@@ -133,10 +133,28 @@ def vllm_env(install_patch, allocator_conf, monkeypatch):
             else:
                 del state["blocks"][old]
             state["kv_state_block"] = new_block(state["kv_state_bytes"])
+        # The KV cache itself (one buffer, every layer's view into it) and state
+        # the profiling teardown frees (the target's attention metadata buffers):
+        # production's set-up makes that state again after the KV cache is sized.
+        if state.get("kv_cache_bytes"):
+            buffer = torch.zeros(64, dtype=torch.int8)
+            runner.kv_caches = [buffer[:32], buffer[32:]]
+            state["blocks"][buffer.untyped_storage().data_ptr()] = state["kv_cache_bytes"]
+            state["free"] -= state["kv_cache_bytes"]
+        if state.get("kv_state_freed_bytes"):
+            state["kv_state_freed_block"] = new_block(state["kv_state_freed_bytes"])
+            state["free"] -= state["kv_state_freed_bytes"]
 
     def teardown(runner):
         events.append(("teardown_profiling_state",))
         state["releasable"], state["held"] = state["held"], 0
+        for cache in getattr(runner, "kv_caches", ())[:1]:
+            del state["blocks"][cache.untyped_storage().data_ptr()]
+            state["releasable"] += state["kv_cache_bytes"]
+        runner.kv_caches = []
+        if "kv_state_freed_block" in state:
+            del state["blocks"][state.pop("kv_state_freed_block")]
+            state["releasable"] += state["kv_state_freed_bytes"]
 
     @contextlib.contextmanager
     def freeze_gc_for_cudagraph_capture():
@@ -586,6 +604,25 @@ def test_profile_with_expandable_segments_set_by_the_user_leaves_them_as_they_ar
     assert env.state["expandable_in_capture"] == [True]
     assert env.allocator_conf["writes"] == []
     assert runner.specgraph_profile.profile_passes == 1
+
+
+def test_profile_budget_holds_the_kv_state_production_makes_again(vllm_env, caplog):
+    """The KV-cache set-up's own state beside the cache: what the teardown frees
+    (5 MiB, the target's attention buffers) production's set-up makes again after
+    the KV cache is sized, so the budget holds it; what outlives the pass (8 MiB,
+    the draft's) is in the one-time bytes already, and production's set-up frees
+    it as it replaces it; the KV cache itself (the minimal one) is no state."""
+    env = vllm_env
+    env.state.update(kv_state_bytes=8 * MIB, kv_state_freed_bytes=5 * MIB, kv_cache_bytes=20 * MIB)
+    runner = _runner(env)
+    with caplog.at_level("INFO", logger="vllm.specgraph"):
+        budget = env.cudagraph_utils.profile_cudagraph_memory(runner)
+    report = runner.specgraph_profile.estimate
+    assert report.one_time_bytes == 8 * MIB
+    assert runner.specgraph_profile.kv_state_bytes == 5 * MIB
+    assert budget == (40 + 8 + 5) * MIB
+    [line] = [r.message for r in caplog.records if "memory profile" in r.message]
+    assert "budget 53.0 MiB (with 5.0 MiB of KV-cache initialisation state made after" in line
 
 
 def test_profile_budget_holds_communicator_workspace_made_after_kv_sizing(

@@ -168,6 +168,7 @@ class SpecgraphCapture:
     profile_passes: int = 1
     expandable_segments: bool = False  # during the profile's and production's captures
     expandable_segments_blocker: str | None = None  # why not, if not
+    kv_state_bytes: int = 0  # production's KV-init state beside the cache, budgeted anew
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -184,6 +185,7 @@ class SpecgraphCapture:
             "profile_passes": self.profile_passes,
             "expandable_segments": self.expandable_segments,
             "expandable_segments_blocker": self.expandable_segments_blocker,
+            "kv_state_bytes": self.kv_state_bytes,
         }
 
 

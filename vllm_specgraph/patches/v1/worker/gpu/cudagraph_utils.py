@@ -110,6 +110,17 @@ class ProfileOutcome:
     passes: int
     expandable_segments: bool  # during the passes' captures
     expandable_segments_blocker: str | None  # why not, if not
+    kv_state_bytes: int  # what initialize_kv_cache makes beside the KV cache
+    kv_state_kept_bytes: int  # of the profile's own, what it left with the process
+
+    @property
+    def kv_state_unbudgeted_bytes(self) -> int:
+        """What production's KV initialisation makes that the report's budget lacks.
+
+        The profile's own KV state that outlived the pass is in its one-time
+        bytes, and production's ``initialize_kv_cache`` frees it as it replaces
+        it; the rest of production's is new."""
+        return max(self.kv_state_bytes - self.kv_state_kept_bytes, 0)
 
 
 def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome | None:
@@ -206,6 +217,7 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome | None:
         assert again is not None, "the first pass found graphs to capture"
         last, passes = again, 2
         owners, retained = last.owners, first.free_after - last.free_after
+    blocks_end = live_blocks()
     report = GraphMemoryReport(
         owners=owners,
         one_time_bytes=one_time,
@@ -222,6 +234,8 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome | None:
         passes,
         last.expandable_segments,
         expandable_segments_blocker(runner.vllm_config),
+        kv_state_bytes=sum(size for _, size in last.kv_state),
+        kv_state_kept_bytes=sum(block[1] for block in last.kv_state if block in blocks_end),
     )
 
 
@@ -245,6 +259,7 @@ class _Pass:
     footprint: CaptureFootprint | None
     expandable_segments: bool
     blocks_before_capture: frozenset[tuple[int, int]]
+    kv_state: frozenset[tuple[int, int]]  # blocks the KV init made beside the KV cache
 
 
 def _measured_pass(
@@ -271,12 +286,14 @@ def _measured_pass(
         ) as disposable:
             disposable.on_destroy(lambda: _destroy_profiling_graphs(runner))
             disposable.on_destroy(release_capture_stream_workspaces)
+            blocks_before_init = live_blocks()
             with set_current_vllm_config(runner.vllm_config):
                 _init_minimal_kv_cache_for_profiling(runner)
             clock.lap("minimal KV cache" + suffix)
             if not runner.needs_cudagraph_capture():
                 return None
             blocks_before_capture = live_blocks()
+            kv_state = _kv_state_blocks(runner, blocks_before_capture - blocks_before_init)
             # Production's own path, adaptive-verification runs and lock included
             # (the pass restores the lock): what it measures is what production does.
             with (
@@ -303,7 +320,21 @@ def _measured_pass(
         meter.footprint,
         expandable,
         blocks_before_capture,
+        kv_state,
     )
+
+
+def _kv_state_blocks(
+    runner: GPUModelRunner, made: frozenset[tuple[int, int]]
+) -> frozenset[tuple[int, int]]:
+    """Of the blocks ``initialize_kv_cache`` made, those that are not the KV cache:
+    attention metadata builders' buffers, block tables, the speculator's own.
+
+    Production's ``initialize_kv_cache`` makes them again after the KV cache is
+    sized, so the budget must hold them; they do not scale with the block count.
+    """
+    kv_cache = {t.untyped_storage().data_ptr() for t in getattr(runner, "kv_caches", ())}
+    return frozenset(block for block in made if block[0] not in kv_cache)
 
 
 @contextmanager
@@ -449,9 +480,21 @@ def _profile_cudagraph_memory(upstream: Callable[[Any], int]) -> Callable[[Any],
             profile_passes=outcome.passes,
             expandable_segments=outcome.expandable_segments,
             expandable_segments_blocker=outcome.expandable_segments_blocker,
+            kv_state_bytes=outcome.kv_state_unbudgeted_bytes,
         )
-        # Communicator workspaces vLLM makes after sizing the KV cache come out of it too.
-        after_kv_cache = pcie_ipc.communicator_bytes_after_kv_cache(runner)
+        # What vLLM makes after sizing the KV cache comes out of it too: the KV
+        # initialisation's own state and communicator workspaces.
+        kv_state = outcome.kv_state_unbudgeted_bytes
+        communicators = pcie_ipc.communicator_bytes_after_kv_cache(runner)
+        after_kv_cache = kv_state + communicators
+        made_after = [
+            f"{nbytes / _MIB:.1f} MiB of {what}"
+            for nbytes, what in (
+                (kv_state, "KV-cache initialisation state"),
+                (communicators, "communicator workspace"),
+            )
+            if nbytes
+        ]
         logger.info(
             "vllm-specgraph: CUDA graph memory profile: %s; graphs %.1f MiB in %d graphs; "
             "kept by the process since: one-time %.2f MiB, left by the last pass %.2f MiB; "
@@ -462,12 +505,7 @@ def _profile_cudagraph_memory(upstream: Callable[[Any], int]) -> Callable[[Any],
             report.one_time_bytes / _MIB,
             report.retained_bytes / _MIB,
             (budget_bytes(report) + after_kv_cache) / _MIB,
-            (
-                f" (with {after_kv_cache / _MIB:.1f} MiB of communicator workspace made "
-                "after the KV cache)"
-            )
-            if after_kv_cache
-            else "",
+            f" (with {' and '.join(made_after)} made after the KV cache)" if made_after else "",
             outcome.passes,
             "pass" if outcome.passes == 1 else "passes",
             "on" if outcome.expandable_segments else f"off ({outcome.expandable_segments_blocker})",
