@@ -8,6 +8,7 @@
 #   MODE=tight bash scripts/device-vllm-e2e.sh                          # 1B base at the limit
 #   MODE=load bash scripts/device-vllm-e2e.sh                           # 1B draft models, 256 requests
 #   MODE=demo bash scripts/device-vllm-e2e.sh                           # make demo, through vLLM's tree
+#   MODE=serve bash scripts/device-vllm-e2e.sh                          # vllm serve, 1B draft model
 #   TP=2 SIZES=tiny CASES="base draft eagle" PLUGIN="off on" \
 #     bash scripts/device-vllm-e2e.sh                                   # 2 GPUs per run, 6 runs
 #
@@ -33,14 +34,18 @@
 #                                    LOAD_ROUNDS rounds
 #                                  demo: python -m vllm_specgraph.demo.vllm_demo, then
 #                                    the lane self-check
+#                                  serve: vllm serve (API server and engine core in their
+#                                    own processes), off then on, 64 concurrent
+#                                    completions each (scripts/vllm_e2e/serve.py)
 #   SIZES="tiny"                   tiny | 1b | 8b (default 1b in MODE=tight and MODE=load)
 #   CASES="base draft ngram eagle" no speculator | draft model | accept (the draft
 #                                  model with the target's config: acceptance near 1)
 #                                  | ngram | EAGLE (default base in MODE=tight, base
 #                                  draft accept in MODE=load)
-#   GRAPHS="full"                  graph modes, one or both: full (compilation off,
-#                                  FULL graphs) | compile (vLLM's default: torch.compile,
-#                                  FULL_AND_PIECEWISE)
+#   GRAPHS="compile"               graph modes, one or both: compile (vLLM's default:
+#                                  torch.compile, FULL_AND_PIECEWISE) | full (compilation
+#                                  off, FULL graphs; the default, and the only one, in
+#                                  MODE=tight); "compile full" puts both in one table
 #   PLUGIN="off on"                off: plugin loaded, VLLM_SPECGRAPH=0 | on | none |
 #                                  noest: off and VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0
 #                                  (default "off on noest" in MODE=tight)
@@ -101,17 +106,18 @@ OUTDIR="${OUT:-/tmp/vllm-e2e-out}"
 W="${E2E_WORK:-/tmp/vllm-e2e}"  # work dir, emptied first: site dir, vLLM tree, run cwd
 MODE="${MODE:-bench}"
 case "$MODE" in
-  bench) d_sizes=tiny; d_cases="base draft ngram eagle"; d_plugin="off on" ;;
-  tight) d_sizes=1b; d_cases=base; d_plugin="off on noest" ;;
-  load) d_sizes=1b; d_cases="base draft accept"; d_plugin="off on" ;;
-  demo) d_sizes=tiny; d_cases=draft; d_plugin=on ;;
-  *) echo "unknown MODE '$MODE' (bench, tight, load, demo)"; exit 2 ;;
+  bench) d_sizes=tiny; d_cases="base draft ngram eagle"; d_plugin="off on"; d_graphs=compile ;;
+  tight) d_sizes=1b; d_cases=base; d_plugin="off on noest"; d_graphs=full ;;
+  load) d_sizes=1b; d_cases="base draft accept"; d_plugin="off on"; d_graphs=compile ;;
+  demo) d_sizes=tiny; d_cases=draft; d_plugin=on; d_graphs=compile ;;
+  serve) d_sizes=1b; d_cases=draft; d_plugin="off on"; d_graphs=compile ;;
+  *) echo "unknown MODE '$MODE' (bench, tight, load, demo, serve)"; exit 2 ;;
 esac
 SIZES="${SIZES:-$d_sizes}"
 CASES="${CASES:-$d_cases}"
 PLUGIN="${PLUGIN:-$d_plugin}"
 CAPTURE="${CAPTURE:-default}"
-GRAPHS="${GRAPHS:-full}"
+GRAPHS="${GRAPHS:-$d_graphs}"
 LOAD_CORES="${LOAD_CORES:-8}"
 ALLOCATOR="${ALLOCATOR:-default}"
 ALLOCATOR_TRACE="${ALLOCATOR_TRACE:-0}"
@@ -271,6 +277,26 @@ plan_file() {  # size case capture
   echo "$OUTDIR/plan-$1-$2$small$SUFFIX.json"
 }
 
+# torch.compile's first compile of a configuration, with an empty cache, gave
+# other greedy tokens than every later run that loaded its graphs from the cache,
+# plugin or not. So before the first measured compile run of a (size, case) on
+# this machine, one unmeasured run (plugin not loaded) fills the cache, and every
+# measured run loads from it. Its marker lives in vLLM's cache root, so it goes
+# when the cache goes. Lane $1, size $2, case $3, capture set $4, limit $5.
+COMPILED="${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}/specgraph-e2e-compiled"
+compile_cache_warmup() {
+  local t1 rc
+  t1=$(date +%s)
+  ( cd "$W/cwd" && export CUDA_VISIBLE_DEVICES="${LANES[$1]}" \
+      && exec ${PIN[$1]} timeout -k 10 "$5" python3 "$E2E/run_llm.py" \
+        --size "$2" --case "$3" --plugin none --capture "$4" --graph-mode compile \
+        ${RUN_ARGS[@]+"${RUN_ARGS[@]}"} --out "$W/compile-warmup-$2-$3.json" ) \
+    > "$OUTDIR/compile-warmup-$2-$3$SUFFIX.txt" 2>&1
+  rc=$?
+  [ "$rc" = 0 ] && mkdir -p "$COMPILED" && touch "$COMPILED/$2-$3"
+  echo "compile cache warm-up $2-$3 rc=$rc elapsed=$(( $(date +%s) - t1 )) s"
+}
+
 # One run: "size:case:plugin:capture:workload:tight:round:graphs", on lane $1.
 run_one() {
   local lane_index=$1 lane=${LANES[$1]} size case plugin capture workload tight round graphs stale
@@ -303,8 +329,18 @@ run_one() {
     echo "$name" >> "$OUTDIR/skipped.txt"
     return
   fi
-  echo "---------------- run $name on GPU $lane (limit ${limit} s) ----------------"
   local t1 rc run_pid
+  if [ "$graphs" = compile ] && [ ! -e "$COMPILED/$size-$case" ]; then
+    compile_cache_warmup "$lane_index" "$size" "$case" "$capture" "$limit"
+    left=$(( BUDGET - ($(date +%s) - t0) - RESERVE ))
+    [ "$limit" -gt "$left" ] && limit="$left"
+    if [ "$limit" -lt "$MIN_RUN" ]; then
+      echo "---------------- run $name: skipped, ${left} s left of BUDGET=${BUDGET}"
+      echo "$name" >> "$OUTDIR/skipped.txt"
+      return
+    fi
+  fi
+  echo "---------------- run $name on GPU $lane (limit ${limit} s) ----------------"
   t1=$(date +%s)
   # timeout leads its own process group: when it fires it signals the whole
   # group, vLLM's worker processes included; after the run, whatever of that
@@ -395,7 +431,45 @@ make_jobs() {
   done
 }
 
+# vllm serve, per (graph mode, size, case): the plugin switches one after the
+# other on the first lane, then the off and on runs compared. Results go to
+# $OUT/serve/ (not beside the offline runs, which the summary reads).
+serve_runs() {
+  local graphs size case plugin name left
+  mkdir -p "$OUTDIR/serve"
+  for graphs in $GRAPHS; do
+    for size in $SIZES; do
+      for case in $CASES; do
+        left=$(( BUDGET - ($(date +%s) - t0) - RESERVE ))
+        if [ "$graphs" = compile ] && [ ! -e "$COMPILED/$size-$case" ]; then
+          compile_cache_warmup 0 "$size" "$case" default "$left"
+        fi
+        for plugin in $PLUGIN; do
+          name="$(run_stem "$size" "$case" "$plugin" default "$graphs")-serve"
+          left=$(( BUDGET - ($(date +%s) - t0) - RESERVE ))
+          [ "$left" -ge "$MIN_RUN" ] || { echo "serve $name: skipped, ${left} s left"; continue; }
+          echo "---------------- serve $name on GPU ${LANES[0]} (limit ${left} s) ----------------"
+          ( cd "$W/cwd" && export CUDA_VISIBLE_DEVICES="${LANES[0]}" \
+              && exec ${PIN[0]} timeout -k 10 "$left" python3 "$E2E/serve.py" run \
+                --size "$size" --case "$case" --plugin "$plugin" --graph-mode "$graphs" \
+                --out "$OUTDIR/serve/$name.json" ) 2>&1 | tail -5
+          echo "serve $name rc=${PIPESTATUS[0]}"
+          grep -a "vllm-specgraph" "$OUTDIR/serve/$name.log" | grep -av "^SPECGRAPH-LOG" | cut -c1-300
+        done
+        python3 "$E2E/serve.py" compare \
+          "$OUTDIR/serve/$(run_stem "$size" "$case" off default "$graphs")-serve.json" \
+          "$OUTDIR/serve/$(run_stem "$size" "$case" on default "$graphs")-serve.json" \
+          --results "$OUTDIR/serve/$size-$case-$graphs"
+      done
+    done
+  done
+}
+
 case "$MODE" in
+  serve)
+    serve_runs
+    exit 0
+    ;;
   bench)
     make_jobs smoke "$PLUGIN" 0
     run_jobs

@@ -50,6 +50,15 @@ PKGS=(
   typing_extensions==4.16.0
   compressed-tensors==0.17.0
   loguru==0.7.3
+  # `vllm serve` (MODE=serve) beyond the offline engine's path
+  uvicorn==0.54.0
+  click==8.5.1
+  prometheus-fastapi-instrumentator==8.1.0
+  python-multipart==0.0.34
+  watchfiles==1.3.0
+  model-hosting-container-standards==0.1.16
+  jmespath==1.1.0
+  supervisor==4.3.0
 )
 
 mkdir -p "$OUT"

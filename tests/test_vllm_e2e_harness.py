@@ -1266,6 +1266,7 @@ def device_script(tmp_path):
             "E2E_WORK": str(tmp_path / "work"),
             "TRITON_CACHE_DIR": str(tmp_path / "triton"),
             "HOME": str(tmp_path),
+            "GRAPHS": "full",  # most tests here: the script's second graph mode
         } | env
         return subprocess.run(
             ["bash", str(repo / "scripts" / "device-vllm-e2e.sh")],
@@ -1288,6 +1289,31 @@ def _runs(out) -> dict[str, dict]:
 
 def _overlap(a: dict, b: dict) -> bool:
     return a["start"] < b["end"] and b["start"] < a["end"]
+
+
+def test_device_script_default_graph_mode_is_vllms_with_one_compile_warm_up_per_case(
+    device_script, tmp_path
+):
+    """Without GRAPHS, vLLM's default (torch.compile): before the first measured run
+    of a (size, case), one unmeasured run without the plugin fills the compile
+    cache; it is not among the results, and the next invocation needs none."""
+    run, out = device_script
+    done = run(SIZES="tiny", CASES="base draft", PLUGIN="off on", GRAPHS="", GPUS="0")
+    runs = _runs(out)
+    assert sorted(runs) == sorted(
+        f"tiny-{c}-{p}-compile" for c in ("base", "draft") for p in ("off", "on")
+    )
+    work = tmp_path / "work"
+    for case in ("base", "draft"):
+        warm = json.loads((work / f"compile-warmup-tiny-{case}.json").read_text())
+        assert warm["plugin"] == {"switch": "none"} and "compile" in warm["argv"]
+        measured = [runs[f"tiny-{case}-{p}-compile"] for p in ("off", "on")]
+        assert all(warm["end"] <= r["start"] for r in measured)
+        assert (out / f"compile-warmup-tiny-{case}.txt").exists()
+    assert done.stdout.count("compile cache warm-up") == 2
+    again = run(SIZES="tiny", CASES="base", PLUGIN="on", GRAPHS="", GPUS="0")
+    assert "run tiny-base-on-compile rc=0" in again.stdout
+    assert "compile cache warm-up" not in again.stdout
 
 
 def test_device_script_runs_one_run_per_gpu_at_a_time(device_script):

@@ -213,7 +213,8 @@ class E2EWorkerExtension:
             record["plugin_report"] = {"error": repr(e)}
         return record
 
-    def e2e_reinit_weights(self, std: float) -> dict[str, Any]:
+    def e2e_reinit_weights(self, std: float | str) -> dict[str, Any]:
+        std = float(std)  # vLLM's /collective_rpc endpoint passes arguments as strings
         runner = self.model_runner
         tp_rank = _tp_rank(self)
         model = runner.model

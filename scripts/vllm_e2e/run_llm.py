@@ -94,6 +94,7 @@ PLUGIN_GROUP = "vllm.general_plugins"
 PLUGIN_LOGGERS = ("vllm.specgraph", "vllm_specgraph")
 PLUGIN_LOG_PREFIX = "SPECGRAPH-LOG"
 PLUGIN_LOG_LIMIT = 500
+PLUGIN_LOG_ECHO_ENV = "E2E_PLUGIN_LOG_ECHO"
 # vLLM imports it in every worker process at TP > 1 (this directory is on their path).
 WORKER_EXTENSION = "e2e_worker.E2EWorkerExtension"
 # Where the workers also write their figures as they are taken, so that a run that
@@ -198,12 +199,14 @@ def set_env(plugin: str, allocator: str = "default") -> dict[str, str | None]:
 
 class PluginLogTap(logging.Handler):
     """Prints the plugin's log records with a fixed prefix (vLLM's format names the
-    file, not the logger) and keeps the first ``limit`` of them for the result."""
+    file, not the logger) and keeps the first ``limit`` of them for the result.
+    With ``echo`` false it only keeps them, and vLLM's own handlers print them."""
 
-    def __init__(self, sink: list[str], limit: int = PLUGIN_LOG_LIMIT) -> None:
+    def __init__(self, sink: list[str], limit: int = PLUGIN_LOG_LIMIT, echo: bool = True) -> None:
         super().__init__(logging.DEBUG)
         self.sink = sink
         self.limit = limit
+        self.echo = echo
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -212,18 +215,22 @@ class PluginLogTap(logging.Handler):
             line = f"{record.levelname} {record.name}: {record.msg!r}"
         if len(self.sink) < self.limit:
             self.sink.append(line)
-        print(f"{PLUGIN_LOG_PREFIX} {line}", flush=True)
+        if self.echo:
+            print(f"{PLUGIN_LOG_PREFIX} {line}", flush=True)
 
 
 def tap_plugin_logs(sink: list[str]) -> PluginLogTap:
     """Route the plugin's loggers (``vllm.specgraph`` through vLLM's logger, and the
     package's own ``vllm_specgraph``) through one tap. Call after vLLM configured
-    logging; ``propagate`` is cleared so each line is printed once."""
-    tap = PluginLogTap(sink)
+    logging; ``propagate`` is cleared so each line is printed once. Where
+    ``E2E_PLUGIN_LOG_ECHO=0`` (serve.py: the server's own log is what is checked)
+    the tap only keeps the lines and vLLM's logging prints them as it would."""
+    echo = os.environ.get(PLUGIN_LOG_ECHO_ENV, "1") != "0"
+    tap = PluginLogTap(sink, echo=echo)
     for name in PLUGIN_LOGGERS:
         lg = logging.getLogger(name)
         lg.addHandler(tap)
-        lg.propagate = False
+        lg.propagate = not echo
         if lg.getEffectiveLevel() > logging.INFO:
             lg.setLevel(logging.INFO)
     return tap
@@ -331,7 +338,7 @@ def llm_kwargs(args: argparse.Namespace, preset: dict[str, Any]) -> dict[str, An
     ``args.tp`` > 1 also the multiprocess executor, custom all-reduce off unless
     ``args.custom_all_reduce``, and the worker extension that measures each rank."""
     compilation: dict[str, Any] = {
-        **GRAPH_MODES[getattr(args, "graph_mode", "full")],
+        **GRAPH_MODES[getattr(args, "graph_mode", "compile")],
         "custom_ops": ["none"],
     }
     sizes = capture_sizes(preset, getattr(args, "capture", "default"))
@@ -514,7 +521,7 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=6)
     ap.add_argument("--dtype", help="default: the size's")
     ap.add_argument("--gpu-mem-util", type=float, help="default: the size's")
-    ap.add_argument("--graph-mode", choices=tuple(GRAPH_MODES), default="full")
+    ap.add_argument("--graph-mode", choices=tuple(GRAPH_MODES), default="compile")
     ap.add_argument("--capture", choices=CAPTURE_SETS, default="default")
     ap.add_argument("--allocator", choices=tuple(ALLOCATORS), default="default")
     ap.add_argument(
