@@ -320,7 +320,9 @@ def compare(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
 
 
 def _pair(values: list[Any]) -> str:
-    return " / ".join("-" if v is None else f"{v}" for v in values)
+    return " / ".join(
+        "-" if v is None else f"{v:.1f}" if isinstance(v, float) else f"{v}" for v in values
+    )
 
 
 def table(rows: list[dict[str, Any]]) -> str:
