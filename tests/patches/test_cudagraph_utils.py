@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_specgraph.lanes import current_owner
+from vllm_specgraph.lanes import current_owner, current_owner_name
 from vllm_specgraph.patches._capture_meter import CaptureFootprint
 
 pytestmark = pytest.mark.vllm
@@ -739,3 +739,57 @@ def test_profile_measures_again_when_what_the_pass_left_is_not_all_accounted_for
     runner = _runner(env, one_time_bytes=4 * MIB)
     env.cudagraph_utils.profile_cudagraph_memory(runner)
     assert (_captures(env), runner.specgraph_profile.profile_passes) == (2, 2)
+
+
+def test_profile_captures_vllms_own_piecewise_wrappers_in_its_pool_per_owner(vllm_env):
+    """torch.compile's PIECEWISE graphs live in vLLM's own ``CUDAGraphWrapper``s: one
+    made before the profile (the compiled backbone's) and one each made while the
+    target and the draft capture. Each captures into the profile's private pool;
+    afterwards every one holds the production pool and no graph; each owner's
+    bytes are its own."""
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+    from vllm.config.compilation import CUDAGraphMode
+
+    env = vllm_env
+    config = SimpleNamespace(compilation_config=SimpleNamespace())
+    backbone = CUDAGraphWrapper(lambda: None, config, CUDAGraphMode.PIECEWISE)
+    assert backbone.graph_pool == env.production_pool
+    pools: dict[str, object] = {}
+    made: list[CUDAGraphWrapper] = []
+
+    def capture_piece(owner: str, wrapper: CUDAGraphWrapper) -> None:
+        # What the wrapper's own capture reads: its pool, as the profile left it.
+        pools[owner] = wrapper.graph_pool
+        wrapper.concrete_cudagraph_entries[owner] = SimpleNamespace(cudagraph=object())
+
+    class Speculator(_Speculator):
+        def capture(self):
+            draft = CUDAGraphWrapper(lambda: None, config, CUDAGraphMode.PIECEWISE)
+            made.append(draft)
+            capture_piece("draft " + current_owner_name(), draft)
+            super().capture()
+
+    class Runner(_Runner):
+        def _capture(self, env):
+            capture_piece("backbone", backbone)
+            target = CUDAGraphWrapper(lambda: None, config, CUDAGraphMode.PIECEWISE)
+            made.append(target)
+            capture_piece("target " + current_owner_name(), target)
+            return super()._capture(env)
+
+    from vllm_specgraph.patches.v1.worker.gpu.model_runner import run_speculator_in_draft_lane
+
+    runner = Runner(env, run_speculator_in_draft_lane(Speculator(env)))
+    budget = env.cudagraph_utils.profile_cudagraph_memory(runner)
+    private = {pool for pool in pools.values()}
+    assert len(private) == 1 and env.production_pool not in private, pools
+    assert sorted(pools) == ["backbone", "draft draft", "target target"]
+    for wrapper in (backbone, *made):
+        assert wrapper.graph_pool == env.production_pool
+        assert wrapper.concrete_cudagraph_entries == {}, "the profile's graphs are gone"
+    report = runner.specgraph_profile.estimate
+    assert [(o.owner, o.num_graphs, o.driver_bytes) for o in report.owners] == [
+        ("target", 3, 30 * MIB),
+        ("draft", 2, 10 * MIB),
+    ]
+    assert budget == 40 * MIB
