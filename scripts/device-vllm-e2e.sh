@@ -167,6 +167,11 @@ case "$ALLOCATOR_TRACE" in
   *) echo "ALLOCATOR_TRACE must be 0 or 1, got '$ALLOCATOR_TRACE'"; exit 2 ;;
 esac
 [ "$MODE" != tight ] || [ "$GRAPHS" = full ] || { echo "MODE=tight runs GRAPHS=full only"; exit 2; }
+if [ "$MODE" = serve ]; then
+  [ "$PLUGIN" = "off on" ] || { echo "MODE=serve runs PLUGIN=\"off on\" only, got '$PLUGIN'"; exit 2; }
+  [ "$TP" = 1 ] && [ "$CAPTURE" = default ] && [ "$ALLOCATOR" = default ] \
+    || { echo "MODE=serve runs TP=1, CAPTURE=default and ALLOCATOR=default only"; exit 2; }
+fi
 case "$LOAD_CORES" in
   ''|*[!0-9]*|0) echo "LOAD_CORES must be a positive integer, got '$LOAD_CORES'"; exit 2 ;;
 esac
@@ -281,20 +286,28 @@ plan_file() {  # size case capture
 # other greedy tokens than every later run that loaded its graphs from the cache,
 # plugin or not. So before the first measured compile run of a (size, case) on
 # this machine, one unmeasured run (plugin not loaded) fills the cache, and every
-# measured run loads from it. Its marker lives in vLLM's cache root, so it goes
+# measured run loads from it. Its marker, per (size, case, capture set,
+# allocator, TP) as the cache is keyed, lives in vLLM's cache root, so it goes
 # when the cache goes. Lane $1, size $2, case $3, capture set $4, limit $5.
 COMPILED="${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}/specgraph-e2e-compiled"
 compile_cache_warmup() {
-  local t1 rc
-  t1=$(date +%s)
-  ( cd "$W/cwd" && export CUDA_VISIBLE_DEVICES="${LANES[$1]}" \
-      && exec ${PIN[$1]} timeout -k 10 "$5" python3 "$E2E/run_llm.py" \
-        --size "$2" --case "$3" --plugin none --capture "$4" --graph-mode compile \
-        ${RUN_ARGS[@]+"${RUN_ARGS[@]}"} --out "$W/compile-warmup-$2-$3.json" ) \
-    > "$OUTDIR/compile-warmup-$2-$3$SUFFIX.txt" 2>&1
-  rc=$?
-  [ "$rc" = 0 ] && mkdir -p "$COMPILED" && touch "$COMPILED/$2-$3"
-  echo "compile cache warm-up $2-$3 rc=$rc elapsed=$(( $(date +%s) - t1 )) s"
+  local key="$2-$3-$4$SUFFIX"
+  mkdir -p "$COMPILED"
+  (
+    # One warm-up at a time: lanes side by side wait, then find the marker.
+    command -v flock >/dev/null && flock 9
+    [ -e "$COMPILED/$key" ] && exit 0
+    [ -e "$W/warm-up-failed-$key" ] && exit 0  # tried once in this invocation
+    t1=$(date +%s)
+    ( cd "$W/cwd" && export CUDA_VISIBLE_DEVICES="${LANES[$1]}" \
+        && exec ${PIN[$1]} timeout -k 10 "$5" python3 "$E2E/run_llm.py" \
+          --size "$2" --case "$3" --plugin none --capture "$4" --graph-mode compile \
+          ${RUN_ARGS[@]+"${RUN_ARGS[@]}"} --out "$W/compile-warmup-$key.json" ) \
+      > "$OUTDIR/compile-warmup-$key.txt" 2>&1
+    rc=$?
+    if [ "$rc" = 0 ]; then touch "$COMPILED/$key"; else touch "$W/warm-up-failed-$key"; fi
+    echo "compile cache warm-up $key rc=$rc elapsed=$(( $(date +%s) - t1 )) s"
+  ) 9> "$COMPILED/.lock"
 }
 
 # One run: "size:case:plugin:capture:workload:tight:round:graphs", on lane $1.
@@ -330,7 +343,7 @@ run_one() {
     return
   fi
   local t1 rc run_pid
-  if [ "$graphs" = compile ] && [ ! -e "$COMPILED/$size-$case" ]; then
+  if [ "$graphs" = compile ]; then
     compile_cache_warmup "$lane_index" "$size" "$case" "$capture" "$limit"
     left=$(( BUDGET - ($(date +%s) - t0) - RESERVE ))
     [ "$limit" -gt "$left" ] && limit="$left"
@@ -435,15 +448,13 @@ make_jobs() {
 # other on the first lane, then the off and on runs compared. Results go to
 # $OUT/serve/ (not beside the offline runs, which the summary reads).
 serve_runs() {
-  local graphs size case plugin name left
+  local graphs size case plugin name left failed=0
   mkdir -p "$OUTDIR/serve"
   for graphs in $GRAPHS; do
     for size in $SIZES; do
       for case in $CASES; do
         left=$(( BUDGET - ($(date +%s) - t0) - RESERVE ))
-        if [ "$graphs" = compile ] && [ ! -e "$COMPILED/$size-$case" ]; then
-          compile_cache_warmup 0 "$size" "$case" default "$left"
-        fi
+        [ "$graphs" = compile ] && compile_cache_warmup 0 "$size" "$case" default "$left"
         for plugin in $PLUGIN; do
           name="$(run_stem "$size" "$case" "$plugin" default "$graphs")-serve"
           left=$(( BUDGET - ($(date +%s) - t0) - RESERVE ))
@@ -459,16 +470,17 @@ serve_runs() {
         python3 "$E2E/serve.py" compare \
           "$OUTDIR/serve/$(run_stem "$size" "$case" off default "$graphs")-serve.json" \
           "$OUTDIR/serve/$(run_stem "$size" "$case" on default "$graphs")-serve.json" \
-          --results "$OUTDIR/serve/$size-$case-$graphs"
+          --results "$OUTDIR/serve/$size-$case-$graphs" || failed=1
       done
     done
   done
+  return "$failed"
 }
 
 case "$MODE" in
   serve)
     serve_runs
-    exit 0
+    exit $?
     ;;
   bench)
     make_jobs smoke "$PLUGIN" 0

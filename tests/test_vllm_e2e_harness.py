@@ -1305,15 +1305,29 @@ def test_device_script_default_graph_mode_is_vllms_with_one_compile_warm_up_per_
     )
     work = tmp_path / "work"
     for case in ("base", "draft"):
-        warm = json.loads((work / f"compile-warmup-tiny-{case}.json").read_text())
+        warm = json.loads((work / f"compile-warmup-tiny-{case}-default.json").read_text())
         assert warm["plugin"] == {"switch": "none"} and "compile" in warm["argv"]
         measured = [runs[f"tiny-{case}-{p}-compile"] for p in ("off", "on")]
         assert all(warm["end"] <= r["start"] for r in measured)
-        assert (out / f"compile-warmup-tiny-{case}.txt").exists()
+        assert (out / f"compile-warmup-tiny-{case}-default.txt").exists()
     assert done.stdout.count("compile cache warm-up") == 2
     again = run(SIZES="tiny", CASES="base", PLUGIN="on", GRAPHS="", GPUS="0")
     assert "run tiny-base-on-compile rc=0" in again.stdout
     assert "compile cache warm-up" not in again.stdout
+    # vLLM's compile cache is keyed by the capture sizes too: another set, another warm-up.
+    small = run(SIZES="tiny", CASES="base", PLUGIN="on", GRAPHS="", GPUS="0", CAPTURE="small")
+    assert "compile cache warm-up tiny-base-small rc=0" in small.stdout
+
+
+def test_device_script_serve_mode_refuses_what_it_does_not_run(device_script):
+    run, _ = device_script
+    for env, says in (
+        ({"PLUGIN": "on"}, 'MODE=serve runs PLUGIN="off on" only'),
+        ({"TP": "2"}, "MODE=serve runs TP=1"),
+        ({"CAPTURE": "small"}, "MODE=serve runs TP=1, CAPTURE=default"),
+    ):
+        done = run(MODE="serve", **env)
+        assert done.returncode == 2 and says in done.stdout, done.stdout
 
 
 def test_device_script_runs_one_run_per_gpu_at_a_time(device_script):

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
@@ -118,17 +119,24 @@ class _Completions(BaseHTTPRequestHandler):
     running = threading.Event()
     lock = threading.Lock()
     reply_token_ids = True
+    resume_failures = 0
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
         cls = type(self)
         if self.path.startswith("/pause"):
-            assert self.path == "/pause?mode=keep"
+            assert self.path == "/pause?mode=keep&clear_cache=false"
             cls.running.clear()
             cls.events.append("pause")
             return self._reply({"status": "paused"})
         if self.path == "/resume":
             cls.events.append("resume")
+            if cls.resume_failures:
+                cls.resume_failures -= 1
+                self.send_response(500)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return None
             cls.running.set()
             return self._reply({"status": "resumed"})
         with cls.lock:
@@ -166,6 +174,7 @@ def completions_server():
     _Completions.bodies, _Completions.events = [], []
     _Completions.running.set()
     _Completions.reply_token_ids = True
+    _Completions.resume_failures = 0
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Completions)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -250,3 +259,16 @@ def test_compare_passes_only_equal_tokens_logs_and_clean_exits():
     text = serve.table([serve.compare(_run("off", [[1]]), _run("on", [[1]]))])
     assert "| 1b | compile | draft | 1 | 40.0 / 40.0 |" in text
     assert "2026-12-02 01:30, abc1234" in text
+
+
+def test_client_resumes_the_server_before_waiting_when_resuming_failed(completions_server):
+    """A failed /resume raises at once, and the requests held by the paused server
+    are let go first (else the client would wait for them until its timeout)."""
+    import urllib.error
+
+    _Completions.resume_failures = 1
+    t0 = time.perf_counter()
+    with pytest.raises(urllib.error.HTTPError):
+        serve.complete_all(completions_server, "m", [([1, 2], 3), ([4], 2)], settle_s=0.0)
+    assert time.perf_counter() - t0 < 5
+    assert _Completions.events.count("resume") == 2

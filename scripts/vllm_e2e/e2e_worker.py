@@ -214,7 +214,7 @@ class E2EWorkerExtension:
         return record
 
     def e2e_reinit_weights(self, std: float | str) -> dict[str, Any]:
-        std = float(std)  # vLLM's /collective_rpc endpoint passes arguments as strings
+        std = float(std)  # serve.py sends it through /collective_rpc as a string
         runner = self.model_runner
         tp_rank = _tp_rank(self)
         model = runner.model

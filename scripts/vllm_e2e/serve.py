@@ -49,6 +49,7 @@ PLUGIN_LINES = {
     "profile": "vllm-specgraph: CUDA graph memory profile",
     "estimate vs actual": "vllm-specgraph: CUDA graph memory, estimate vs actual",
 }
+PAUSE = "/pause?mode=keep&clear_cache=false"  # queue new requests, keep the caches
 REINIT_STD = "0.05"  # run_llm.py's --reinit-std
 MiB = 1 << 20
 
@@ -128,9 +129,9 @@ def complete_all(
             raise RuntimeError(f"the server's completion carried no token_ids: {out!r:.300}")
         return [int(t) for t in tokens]
 
-    _http(url + "/pause?mode=keep", {})
-    try:
-        with ThreadPoolExecutor(max_workers=max(len(requests), 1)) as pool:
+    _http(url + PAUSE, {})
+    with ThreadPoolExecutor(max_workers=max(len(requests), 1)) as pool:
+        try:
             futures = []
             for request in requests:
                 futures.append(pool.submit(one, request))
@@ -139,10 +140,13 @@ def complete_all(
             time.sleep(settle_s)
             t0 = time.perf_counter()
             _http(url + "/resume", {})
-            tokens = [f.result() for f in futures]
-    finally:
-        with contextlib.suppress(OSError):
-            _http(url + "/resume", {})
+        except BaseException:
+            # Resumed before the pool waits for its requests, which a paused
+            # server would hold until the client's timeout.
+            with contextlib.suppress(OSError):
+                _http(url + "/resume", {})
+            raise
+        tokens = [f.result() for f in futures]
     return tokens, time.perf_counter() - t0
 
 
@@ -243,7 +247,12 @@ def run(args: argparse.Namespace) -> int:
         if result["startup_s"] is None:
             result["error"] = f"not ready within {args.startup_limit} s (rc {server.poll()})"
             return _finish(result, server, log_path, args)
-        _http(url + "/collective_rpc", {"method": "e2e_reinit_weights", "args": [REINIT_STD]}, 120)
+        refill = _http(
+            url + "/collective_rpc", {"method": "e2e_reinit_weights", "args": [REINIT_STD]}, 120
+        )
+        refilled = [r.get("params", 0) for r in (refill or {}).get("results") or ()]
+        if not refilled or min(refilled) <= 0:
+            raise RuntimeError(f"the weight refill refilled nothing: {refill!r:.300}")
         tokens, seconds = complete_all(url, "m", requests)
         result["tokens"] = tokens
         result["requests"] = len(requests)
@@ -340,6 +349,15 @@ def table(rows: list[dict[str, Any]]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def _load_run(path: str) -> dict[str, Any]:
+    """A run's result; a run that left none (skipped, killed) did not run."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        return {"ok": False, "error": f"no result in {path}: {e}"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -364,11 +382,7 @@ def main() -> int:
     if args.cmd == "run":
         args.dtype = args.gpu_mem_util = None
         return run(args)
-    with open(args.off) as f:
-        off = json.load(f)
-    with open(args.on) as f:
-        on = json.load(f)
-    row = compare(off, on)
+    row = compare(_load_run(args.off), _load_run(args.on))
     os.makedirs(args.results, exist_ok=True)
     with open(os.path.join(args.results, "vllm_serve.json"), "w") as f:
         json.dump({"rows": [row]}, f, indent=1)

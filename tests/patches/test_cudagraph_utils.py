@@ -53,6 +53,7 @@ def vllm_env(install_patch, allocator_conf, monkeypatch):
         "next_address": 1 << 32,
         "kv_state_bytes": 0,
         "expandable_in_capture": [],
+        "segments": [],  # (driver bytes, addresses): segments of their own
     }
 
     def kept():
@@ -84,8 +85,18 @@ def vllm_env(install_patch, allocator_conf, monkeypatch):
     def memory_snapshot():
         # The graphs' bytes in a graph pool's segment; the default pool's segments
         # (weights, say) stay as they are; another GPU's segments do not count.
+        # A block of a segment of its own (state["segments"]: address -> that
+        # segment's size, a list of blocks sharing it) is listed there.
+        own = {a for _, group in state["segments"] for a in group}
+        shared = {a: n for a, n in state["blocks"].items() if a not in own}
         return [
-            segment(0, (0, 0), {0: 300 * MIB, **state["blocks"]}),
+            segment(0, (0, 0), {0: 300 * MIB, **shared}),
+            *(
+                segment(0, (0, 0), {a: state["blocks"][a] for a in group if a in state["blocks"]})
+                | {"total_size": size}
+                for size, group in state["segments"]
+                if any(a in state["blocks"] for a in group)
+            ),
             segment(0, (0, 99), {1 << 31: state["held"]}),
             segment(1, (0, 99), {0: 64 * MIB}),
         ]
@@ -139,11 +150,23 @@ def vllm_env(install_patch, allocator_conf, monkeypatch):
         if state.get("kv_cache_bytes"):
             buffer = torch.zeros(64, dtype=torch.int8)
             runner.kv_caches = [buffer[:32], buffer[32:]]
-            state["blocks"][buffer.untyped_storage().data_ptr()] = state["kv_cache_bytes"]
+            address = buffer.untyped_storage().data_ptr()
+            state["blocks"][address] = state["kv_cache_bytes"]
+            state["segments"].append((state["kv_cache_bytes"], [address]))
             state["free"] -= state["kv_cache_bytes"]
         if state.get("kv_state_freed_bytes"):
-            state["kv_state_freed_block"] = new_block(state["kv_state_freed_bytes"])
-            state["free"] -= state["kv_state_freed_bytes"]
+            # In a segment of its own (the driver's cost: kv_state_freed_segment),
+            # or beside the state that outlives the pass (kv_state_shared).
+            freed = new_block(state["kv_state_freed_bytes"])
+            state["kv_state_freed_block"] = freed
+            size = state.get("kv_state_freed_segment", state["kv_state_freed_bytes"])
+            if state.get("kv_state_shared"):
+                state["segments"].append((size, [freed, state["kv_state_block"]]))
+            elif "older_block" in state:  # beside a block from before the profile
+                state["segments"].append((size, [freed, state["older_block"]]))
+            else:
+                state["segments"].append((size, [freed]))
+                state["free"] -= size
 
     def teardown(runner):
         events.append(("teardown_profiling_state",))
@@ -152,9 +175,14 @@ def vllm_env(install_patch, allocator_conf, monkeypatch):
             del state["blocks"][cache.untyped_storage().data_ptr()]
             state["releasable"] += state["kv_cache_bytes"]
         runner.kv_caches = []
+        if "older_block" in state:
+            state["blocks"].pop(state["older_block"], None)
         if "kv_state_freed_block" in state:
             del state["blocks"][state.pop("kv_state_freed_block")]
-            state["releasable"] += state["kv_state_freed_bytes"]
+            if not state.get("kv_state_shared"):  # else the kept state holds its segment
+                state["releasable"] += state.get(
+                    "kv_state_freed_segment", state["kv_state_freed_bytes"]
+                )
 
     @contextlib.contextmanager
     def freeze_gc_for_cudagraph_capture():
@@ -190,6 +218,7 @@ def vllm_env(install_patch, allocator_conf, monkeypatch):
         workspace=workspace_module.current_workspace_manager(),
         lock_workspace=workspace_module.lock_workspace,
         cudagraph_utils=cudagraph_utils,
+        cudagraph_utils_patch=sys.modules["vllm_specgraph.patches.v1.worker.gpu.cudagraph_utils"],
         model_runner_module=model_runner_module,
         allocator_conf=allocator_conf,
     )
@@ -608,21 +637,66 @@ def test_profile_with_expandable_segments_set_by_the_user_leaves_them_as_they_ar
 
 def test_profile_budget_holds_the_kv_state_production_makes_again(vllm_env, caplog):
     """The KV-cache set-up's own state beside the cache: what the teardown frees
-    (5 MiB, the target's attention buffers) production's set-up makes again after
-    the KV cache is sized, so the budget holds it; what outlives the pass (8 MiB,
-    the draft's) is in the one-time bytes already, and production's set-up frees
-    it as it replaces it; the KV cache itself (the minimal one) is no state."""
+    (a 5 MiB block, the target's attention buffers, in a 20 MiB segment of its
+    own) production's set-up makes again after the KV cache is sized, so the
+    budget holds its segment; what outlives the pass (8 MiB, the draft's) is in
+    the one-time bytes already; the KV cache itself (the minimal one) is no state."""
     env = vllm_env
-    env.state.update(kv_state_bytes=8 * MIB, kv_state_freed_bytes=5 * MIB, kv_cache_bytes=20 * MIB)
+    env.state.update(
+        kv_state_bytes=8 * MIB,
+        kv_state_freed_bytes=5 * MIB,
+        kv_state_freed_segment=20 * MIB,
+        kv_cache_bytes=20 * MIB,
+    )
     runner = _runner(env)
     with caplog.at_level("INFO", logger="vllm.specgraph"):
         budget = env.cudagraph_utils.profile_cudagraph_memory(runner)
     report = runner.specgraph_profile.estimate
     assert report.one_time_bytes == 8 * MIB
-    assert runner.specgraph_profile.kv_state_bytes == 5 * MIB
-    assert budget == (40 + 8 + 5) * MIB
+    assert runner.specgraph_profile.kv_state_bytes == 20 * MIB
+    assert budget == (40 + 8 + 20) * MIB
     [line] = [r.message for r in caplog.records if "memory profile" in r.message]
-    assert "budget 53.0 MiB (with 5.0 MiB of KV-cache initialisation state made after" in line
+    assert "budget 68.0 MiB (with 20.0 MiB of KV-cache initialisation state made after" in line
+
+
+def test_profile_kv_state_beside_kept_state_costs_production_no_segment(vllm_env):
+    """A freed state block that shared its segment with state that outlives the
+    pass: that segment is in the one-time bytes, so it is not budgeted twice."""
+    env = vllm_env
+    env.state.update(
+        kv_state_bytes=8 * MIB,
+        kv_state_freed_bytes=5 * MIB,
+        kv_state_freed_segment=20 * MIB,
+        kv_state_shared=True,
+    )
+    runner = _runner(env)
+    budget = env.cudagraph_utils.profile_cudagraph_memory(runner)
+    assert runner.specgraph_profile.kv_state_bytes == 0
+    assert budget == (40 + 8) * MIB
+
+
+def test_profile_kv_state_beside_an_older_block_is_not_its_own_segment(vllm_env):
+    """A freed state block in a segment that a block from before the profile also
+    held: the segment was not the set-up's to take, so it is not budgeted."""
+    env = vllm_env
+    env.state.update(kv_state_freed_bytes=5 * MIB, kv_state_freed_segment=20 * MIB)
+    env.state["older_block"] = env.new_block(2 * MIB)
+    runner = _runner(env)
+    env.cudagraph_utils.profile_cudagraph_memory(runner)
+    assert runner.specgraph_profile.kv_state_bytes == 0
+
+
+def test_profile_measured_twice_budgets_the_last_passes_kv_state(vllm_env):
+    """With a second pass (a capture kept a block), the state the budget holds is
+    the last pass's: the first pass's copy was freed when the second set-up ran."""
+    env = vllm_env
+    env.state.update(kv_state_freed_bytes=4 * MIB, kv_state_freed_segment=20 * MIB)
+    runner = _runner(env, target_kept_bytes=6 * MIB)
+    budget = env.cudagraph_utils.profile_cudagraph_memory(runner)
+    outcome = runner.specgraph_profile
+    assert outcome.profile_passes == 2
+    assert outcome.kv_state_bytes == 20 * MIB
+    assert budget == env.cudagraph_utils_patch.budget_bytes(outcome.estimate) + 20 * MIB
 
 
 def test_profile_budget_holds_communicator_workspace_made_after_kv_sizing(

@@ -168,7 +168,7 @@ class SpecgraphCapture:
     profile_passes: int = 1
     expandable_segments: bool = False  # during the profile's and production's captures
     expandable_segments_blocker: str | None = None  # why not, if not
-    kv_state_bytes: int = 0  # production's KV-init state beside the cache, budgeted anew
+    kv_state_bytes: int = 0  # production's KV set-up state beside the cache, budgeted anew
 
     def to_dict(self) -> dict[str, object]:
         return {

@@ -66,6 +66,7 @@ from vllm_specgraph.patches.distributed.parallel_state import group_channel_pool
 from vllm_specgraph.profile import (
     GraphMemoryReport,
     OwnerMemory,
+    allocator_segments,
     disposable_graph_pass,
     live_blocks,
     release_capture_stream_workspaces,
@@ -110,17 +111,7 @@ class ProfileOutcome:
     passes: int
     expandable_segments: bool  # during the passes' captures
     expandable_segments_blocker: str | None  # why not, if not
-    kv_state_bytes: int  # what initialize_kv_cache makes beside the KV cache
-    kv_state_kept_bytes: int  # of the profile's own, what it left with the process
-
-    @property
-    def kv_state_unbudgeted_bytes(self) -> int:
-        """What production's KV initialisation makes that the report's budget lacks.
-
-        The profile's own KV state that outlived the pass is in its one-time
-        bytes, and production's ``initialize_kv_cache`` frees it as it replaces
-        it; the rest of production's is new."""
-        return max(self.kv_state_bytes - self.kv_state_kept_bytes, 0)
+    kv_state_bytes: int  # of the KV-cache set-up's own state, what production makes anew
 
 
 def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome | None:
@@ -234,8 +225,7 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome | None:
         passes,
         last.expandable_segments,
         expandable_segments_blocker(runner.vllm_config),
-        kv_state_bytes=sum(size for _, size in last.kv_state),
-        kv_state_kept_bytes=sum(block[1] for block in last.kv_state if block in blocks_end),
+        kv_state_bytes=last.kv_state.freed_bytes(blocks_end),
     )
 
 
@@ -259,7 +249,7 @@ class _Pass:
     footprint: CaptureFootprint | None
     expandable_segments: bool
     blocks_before_capture: frozenset[tuple[int, int]]
-    kv_state: frozenset[tuple[int, int]]  # blocks the KV init made beside the KV cache
+    kv_state: _KVState
 
 
 def _measured_pass(
@@ -292,8 +282,8 @@ def _measured_pass(
             clock.lap("minimal KV cache" + suffix)
             if not runner.needs_cudagraph_capture():
                 return None
-            blocks_before_capture = live_blocks()
-            kv_state = _kv_state_blocks(runner, blocks_before_capture - blocks_before_init)
+            kv_state = _KVState.read(runner, blocks_before_init)
+            blocks_before_capture = kv_state.blocks_after
             # Production's own path, adaptive-verification runs and lock included
             # (the pass restores the lock): what it measures is what production does.
             with (
@@ -324,17 +314,51 @@ def _measured_pass(
     )
 
 
-def _kv_state_blocks(
-    runner: GPUModelRunner, made: frozenset[tuple[int, int]]
-) -> frozenset[tuple[int, int]]:
-    """Of the blocks ``initialize_kv_cache`` made, those that are not the KV cache:
-    attention metadata builders' buffers, block tables, the speculator's own.
+@dataclass(frozen=True)
+class _KVState:
+    """What ``initialize_kv_cache`` made beside the KV cache itself: attention
+    metadata builders' buffers, block tables, the speculator's own.
 
-    Production's ``initialize_kv_cache`` makes them again after the KV cache is
-    sized, so the budget must hold them; they do not scale with the block count.
+    Production's ``initialize_kv_cache`` makes the same state again once the KV
+    cache is sized, outside the KV budget. What of the profile's state outlives
+    the pass is in the pass's one-time bytes already: production replaces it,
+    and the old copy is cached until the capture empties the cache. What the
+    profile's teardown freed, production makes anew. State sized by the block
+    count (FlexAttention's metadata) is made with the minimal count here.
     """
-    kv_cache = {t.untyped_storage().data_ptr() for t in getattr(runner, "kv_caches", ())}
-    return frozenset(block for block in made if block[0] not in kv_cache)
+
+    blocks: frozenset[tuple[int, int]]
+    # (driver bytes, allocated blocks) of every segment that holds a state block
+    segments: tuple[tuple[int, frozenset[tuple[int, int]]], ...]
+    blocks_after: frozenset[tuple[int, int]]  # every allocated block after the set-up
+
+    @staticmethod
+    def read(runner: GPUModelRunner, blocks_before: frozenset[tuple[int, int]]) -> _KVState:
+        kv_cache = {t.untyped_storage().data_ptr() for t in getattr(runner, "kv_caches", ())}
+        segments = [
+            (
+                int(segment["total_size"]),
+                frozenset(
+                    (block["address"], block["size"])
+                    for block in segment["blocks"]
+                    if block["state"] == "active_allocated"
+                ),
+            )
+            for segment in allocator_segments()
+        ]
+        after = frozenset(block for _, blocks in segments for block in blocks)
+        state = frozenset(b for b in after - blocks_before if b[0] not in kv_cache)
+        return _KVState(
+            state, tuple((size, blocks) for size, blocks in segments if blocks & state), after
+        )
+
+    def freed_bytes(self, alive: frozenset[tuple[int, int]]) -> int:
+        """Driver bytes of the segments that held only state blocks now freed:
+        what production's set-up takes again. A segment shared with a block that
+        is still alive (or one made before) costs production no new segment."""
+        return sum(
+            size for size, blocks in self.segments if blocks <= self.blocks and not blocks & alive
+        )
 
 
 @contextmanager
@@ -480,11 +504,11 @@ def _profile_cudagraph_memory(upstream: Callable[[Any], int]) -> Callable[[Any],
             profile_passes=outcome.passes,
             expandable_segments=outcome.expandable_segments,
             expandable_segments_blocker=outcome.expandable_segments_blocker,
-            kv_state_bytes=outcome.kv_state_unbudgeted_bytes,
+            kv_state_bytes=outcome.kv_state_bytes,
         )
         # What vLLM makes after sizing the KV cache comes out of it too: the KV
         # initialisation's own state and communicator workspaces.
-        kv_state = outcome.kv_state_unbudgeted_bytes
+        kv_state = outcome.kv_state_bytes
         communicators = pcie_ipc.communicator_bytes_after_kv_cache(runner)
         after_kv_cache = kv_state + communicators
         made_after = [

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# vLLM 0.33.0's own tests of the modules the plugin patches, run twice on the CPU
+# (without the plugin, and with it armed), and compared test by test.
+#
+#   bash scripts/vllm-own-tests.sh            # needs .venv (make test builds it) and network
+#
+# Fetches vLLM 0.33.0's source distribution from PyPI (its tests/ directory; the
+# sha256 is checked), installs the packages vLLM's test conftest imports into a
+# folder of its own, and runs the files in scripts/vllm_own_tests/files.txt with
+# VLLM_TARGET_DEVICE=cpu. Prints both runs' counts and every test whose outcome
+# differs (scripts/vllm_own_tests/compare.py). About 10 minutes on 2 cores.
+set -euo pipefail
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+PY="$REPO/.venv/bin/python"
+WORK="${VLLM_OWN_TESTS_WORK:-/tmp/vllm-own-tests}"
+URL=https://files.pythonhosted.org/packages/f7/25/aa5684e9c59d6fc75f78926b7f15e8d9adc7de2d9e6e7575b80776ad8169/vllm-0.33.0.tar.gz
+SHA256=f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112
+[ -x "$PY" ] || { echo "no $PY: run make test first (it builds .venv)" >&2; exit 2; }
+mkdir -p "$WORK"
+if [ ! -d "$WORK/vllm-0.33.0/tests" ]; then
+  "$PY" - "$URL" "$SHA256" "$WORK" <<'PY'
+import hashlib, sys, tarfile, urllib.request
+url, sha, work = sys.argv[1:]
+data = urllib.request.urlopen(url, timeout=300).read()
+got = hashlib.sha256(data).hexdigest()
+if got != sha:
+    sys.exit(f"vllm-0.33.0.tar.gz: sha256 {got}, expected {sha}")
+path = f"{work}/vllm-0.33.0.tar.gz"
+open(path, "wb").write(data)
+with tarfile.open(path) as tar:
+    tar.extractall(work, members=[m for m in tar.getmembers() if "/tests/" in m.name
+                                  or m.name.endswith("/pyproject.toml")], filter="data")
+PY
+fi
+"$PY" -m pip install -q --disable-pip-version-check --target "$WORK/site" \
+  tblib pytest-asyncio pytest-mock pytest-timeout pytest-forked multiprocess
+cp "$REPO/scripts/vllm_own_tests/specgraph_loaded.py" "$WORK/site/"
+cd "$WORK/vllm-0.33.0"
+export PYTHONPATH="$WORK/site" VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+mapfile -t FILES < "$REPO/scripts/vllm_own_tests/files.txt"
+for mode in off on; do
+  plugin=()
+  [ "$mode" = on ] && plugin=(-p specgraph_loaded)
+  "$PY" -m pytest -q -p no:cacheprovider --timeout=120 ${plugin[@]+"${plugin[@]}"} \
+    --junitxml="$WORK/$mode.xml" "${FILES[@]}" > "$WORK/$mode.log" 2>&1 || true
+  tail -1 "$WORK/$mode.log"
+done
+"$PY" "$REPO/scripts/vllm_own_tests/compare.py" "$WORK/off.xml" "$WORK/on.xml"
