@@ -68,6 +68,8 @@ ALIGNMENT_BYTES = 256
 DEFAULT_OWNER_LANES: Mapping[str, int] = {"target": 0, "draft": 1}
 """Target runs in lane 0; every speculator phase (load, propose, capture) in lane 1."""
 _LANES_FIX = "target uses lane 0, draft lane 1"
+_MB = 1 << 20
+_REFUSED_WHILE = {"locked": "after locking", "in a CUDA-graph capture": "during a capture"}
 
 T = TypeVar("T")
 
@@ -135,6 +137,8 @@ def use_lane(lane: int) -> AbstractContextManager[None]:
     """Select a lane by index rather than by owner name (same rules as :func:`use_owner`)."""
     if type(lane) is int and lane >= 0:
         return _OwnerScope(lane)
+    if type(lane) is int:
+        raise ValueError(f"Workspace lane must be non-negative, got {lane}; {_LANES_FIX}")
     return use_owner(lane)
 
 
@@ -385,9 +389,13 @@ class LaneWorkspace:
         held = 0 if slot.buffer is None else slot.buffer.numel()
         refusal = self._refusal()
         if refusal:
+            # Worded as vLLM's WorkspaceManager words it, so that what matches
+            # its message matches this one.
             raise WorkspaceLockedError(
-                f"workspace is {refusal} but {_caller_location()} needs {required} bytes "
-                f"(owner={owner!r}, lane={lane}, ubatch={ubatch}, held={held} bytes); "
+                f"Workspace is {refusal} but allocation from '{_caller_location()}' requires "
+                f"{required / _MB:.2f} MB, current size is {held / _MB:.2f} MB. Workspace "
+                f"growth is not allowed {_REFUSED_WHILE[refusal]} (owner={owner!r}, "
+                f"lane={lane}, ubatch={ubatch}, {required} bytes asked, {held} held); "
                 "size the workspace during warm-up, before capture and lock()"
             )
         if slot.buffer is not None and not slot.captured:
@@ -431,8 +439,9 @@ class LaneWorkspace:
         refusal = self._refusal()
         if refusal:
             raise WorkspaceLockedError(
-                f"workspace is {refusal} but {_caller_location()} asks for new persistent "
-                f"{key!r} (owner={owner!r}, lane={lane}, ubatch={ubatch}, "
+                f"Workspace is {refusal} but {key!r} was not allocated during warmup for "
+                f"the current ubatch and lane ({_caller_location()} asks for it; "
+                f"owner={owner!r}, lane={lane}, ubatch={ubatch}, "
                 f"held={self._held_bytes(lane)} bytes); create it during warm-up, "
                 "before capture and lock()"
             )
@@ -465,9 +474,9 @@ class LaneWorkspace:
         )
         if tuple(tensor.shape) != shape or tensor.dtype != dtype:
             raise ValueError(
-                f"persistent {key!r} (owner={current_owner()!r}, ubatch={ubatch}) exists as "
-                f"{tuple(tensor.shape)}/{tensor.dtype}, asked for {shape}/{dtype}; "
-                "use a new key for a new shape"
+                f"Persistent workspace {key!r} has shape={tuple(tensor.shape)}, "
+                f"dtype={tensor.dtype}; requested shape={shape}, dtype={dtype} "
+                f"(owner={current_owner()!r}, ubatch={ubatch}); use a new key for a new shape"
             )
         return tensor
 

@@ -136,3 +136,19 @@ def test_factory_failing_construction_leaves_nothing_held(dcp):
 def test_factory_owner_without_a_lane_refused_naming_the_fix(dcp):
     with use_owner("encoder"), pytest.raises(RuntimeError, match="'encoder' has no lane"):
         _ask(dcp, "get_direct_dcp_a2a_workspace")
+
+
+@pytest.mark.parametrize("factory", list(_CALLS))
+def test_factory_cache_clear_forgets_every_lane_as_functools_cache_does(dcp, factory):
+    """vLLM's factories are ``functools.cache``'d, and its own tests reset them with
+    ``cache_clear()``: the lane-owned factory keeps that interface."""
+    with use_owner("target"):
+        target = _ask(dcp, factory)
+    with use_lane(1):
+        draft = _ask(dcp, factory)
+    getattr(dcp.module, factory).cache_clear()
+    assert getattr(dcp.module, factory).num_workspaces == 0
+    with use_owner("target"):
+        assert _ask(dcp, factory) is not target
+    with use_lane(1):
+        assert _ask(dcp, factory) is not draft

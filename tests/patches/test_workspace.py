@@ -68,7 +68,7 @@ def test_lock_workspace_then_growth_raises_assertion_like_vllm(workspace):
     workspace.current_workspace_manager().get_simultaneous(((8,), torch.float32))
     workspace.lock_workspace()
     assert workspace.current_workspace_manager().is_locked()
-    with pytest.raises(AssertionError, match="workspace is locked"):
+    with pytest.raises(AssertionError, match="Workspace is locked but allocation from"):
         workspace.current_workspace_manager().get_simultaneous(((1024,), torch.float32))
 
 
@@ -84,3 +84,28 @@ def test_undo_restores_vllm_manager_and_lane_selector(install_patch):
     assert module.WorkspaceManager is not original[0]
     patches.undo()
     assert (module.WorkspaceManager, module.use_workspace_lane) == original
+
+
+def test_manager_keeps_vllms_ubatch_lookup_attributes_and_messages(workspace, monkeypatch):
+    """What vLLM's own tests of its manager read: the ubatch through its workspace
+    module (replaced there, it is replaced here), ``_current_workspaces`` in its
+    order (``ubatch * num_lanes + lane``), and its errors' opening words."""
+    manager = workspace.WorkspaceManager(torch.device("cpu"), num_ubatches=2, num_lanes=2)
+    ubatch = [0]
+    monkeypatch.setattr(workspace, "dbo_current_ubatch_id", lambda: ubatch[0])  # looked up late
+    assert manager._current_workspaces == [None] * 4
+    manager.get_simultaneous(((512,), torch.uint8))
+    ubatch[0] = 1
+    with workspace.use_workspace_lane(1):
+        manager.get_simultaneous(((256,), torch.uint8))
+    sizes = [None if b is None else b.numel() for b in manager._current_workspaces]
+    assert sizes == [512, None, None, 256]
+    with pytest.raises(ValueError, match="non-negative"), workspace.use_workspace_lane(-1):
+        pass
+    with pytest.raises(ValueError, match="at least one"):
+        workspace.WorkspaceManager(torch.device("cpu"), num_lanes=0)
+    manager.lock()
+    with pytest.raises(AssertionError, match="was not allocated during warmup"):
+        manager.get_persistent_resource("new", object)
+    with pytest.raises(AssertionError, match="Workspace is locked but allocation from"):
+        manager.get_simultaneous(((4096,), torch.uint8))

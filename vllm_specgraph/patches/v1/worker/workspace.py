@@ -23,6 +23,9 @@ while every later graph of the lane keeps using it.
 
 from __future__ import annotations
 
+import functools
+import operator
+import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from types import ModuleType
@@ -33,6 +36,8 @@ from vllm_specgraph.lanes import DEFAULT_OWNER_LANES, LaneWorkspace, use_lane
 from vllm_specgraph.patches._patching import PatchSet
 
 __all__ = ["LaneWorkspaceManager", "install"]
+
+_VLLM_WORKSPACE = "vllm.v1.worker.workspace"
 
 
 class LaneWorkspaceManager(LaneWorkspace):
@@ -49,21 +54,37 @@ class LaneWorkspaceManager(LaneWorkspace):
         num_lanes: int = 1,
         alloc_context: Callable[[], AbstractContextManager[object]] = nullcontext,
     ) -> None:
-        from vllm.v1.worker.ubatching import dbo_current_ubatch_id
-
+        if type(num_lanes) is int and num_lanes < 1:
+            raise ValueError(f"num_lanes must be at least one, got {num_lanes}.")
         super().__init__(
             device,
             num_ubatches=num_ubatches,
             owner_lanes={o: lane for o, lane in DEFAULT_OWNER_LANES.items() if lane < num_lanes},
             num_lanes=num_lanes,
             alloc_context=alloc_context,
-            ubatch_id=dbo_current_ubatch_id,
+            # Looked up in vLLM's workspace module at each call, as its manager
+            # looks it up (what replaces it there replaces it here); C callables,
+            # so the request path gains no Python call.
+            ubatch_id=functools.partial(
+                operator.methodcaller("dbo_current_ubatch_id"),
+                sys.modules[_VLLM_WORKSPACE],
+            ),
         )
 
     @property
     def _device(self) -> torch.device:
         # vLLM's init_workspace_manager logs the old manager's device by this name.
         return self.device
+
+    @property
+    def _current_workspaces(self) -> list[torch.Tensor | None]:
+        """Each (ubatch, lane) slot's current buffer, in vLLM's order
+        (``ubatch * num_lanes + lane``), as vLLM's manager keeps them."""
+        return [
+            self._slots[(ubatch, lane)].buffer
+            for ubatch in range(self.num_ubatches)
+            for lane in range(self.num_lanes)
+        ]
 
 
 def install(patches: PatchSet, workspace: ModuleType) -> None:

@@ -104,6 +104,11 @@ class LaneOwnedFactory(Generic[W]):
         self._made[key] = workspace
         return workspace
 
+    def cache_clear(self) -> None:
+        """Forget every lane's workspaces, as ``functools.cache``'s ``cache_clear`` does
+        for vLLM's factory; holders keep theirs."""
+        self._made.clear()
+
     @property
     def num_workspaces(self) -> int:
         """Workspaces held now, over all lanes (``None`` results of a disabled path included)."""
