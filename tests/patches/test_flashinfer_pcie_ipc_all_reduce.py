@@ -212,7 +212,9 @@ def test_profile_budget_adds_the_workspace_to_the_graphs(env, install_patch, mon
         retained_allocator_bytes=0,
         wall_seconds=1.0,
     )
-    outcome = profile_patch.ProfileOutcome(report, {}, None, 1, True, None, kv_state_bytes=0)
+    outcome = profile_patch.ProfileOutcome(
+        report, {}, None, 1, True, None, kv_state_bytes=0, kv_state_kept_bytes=0
+    )
     monkeypatch.setattr(profile_patch, "exact_cudagraph_memory", lambda runner: outcome)
     env.runner.compilation_config = SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL)
     workspace = env.patch.pcie_ipc_workspace_bytes(env.runner.vllm_config)

@@ -268,3 +268,76 @@ def test_capture_inside_an_active_meter_reports_to_that_meter_alone():
     with meter.metering(meter.CaptureMeter()) as outer:
         capture_model(runner)
     assert calls == [outer] and runner.specgraph_profile.actual is None
+
+
+def test_production_kv_set_up_is_read_beside_the_cache_and_logged(
+    monkeypatch, caplog, allocator_conf
+):
+    """Production's ``initialize_kv_cache`` (the profile has run): what it made beside
+    the KV cache in segments of its own (a 16 MiB builder buffer; the KV cache and a
+    small block in a segment made before do not count) goes on the estimate-vs-actual
+    line beside the budget's share for it. The profile's own set-up is not read."""
+    import torch
+    from vllm.compilation.counter import compilation_counter
+
+    from vllm_specgraph.patches import _capture_meter as meter
+    from vllm_specgraph.patches.v1.worker.gpu import model_runner as patch
+    from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory
+
+    mib = 1 << 20
+    kv = torch.zeros(8, dtype=torch.int8)
+    segments = [(300 * mib, [(1, 300 * mib)])]  # (segment size, blocks): the weights
+
+    def snapshot():
+        return [
+            {
+                "device": 0,
+                "segment_pool_id": (0, 0),
+                "total_size": size,
+                "blocks": [{"address": a, "size": n, "state": "active_allocated"} for a, n in b],
+            }
+            for size, b in segments
+        ]
+
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", snapshot)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    class Runner:
+        vllm_config = SimpleNamespace(use_cumem_cudagraph_pool=False)
+
+        def initialize_kv_cache(self, kv_cache_config, is_profiling=False):
+            self.kv_caches = [kv[:4], kv[4:]]
+            address = kv.untyped_storage().data_ptr()
+            segments[0] = (300 * mib, [(1, 300 * mib), (2, 1024)])  # a block in an old segment
+            segments.append((1000 * mib, [(address, 1000 * mib)]))
+            segments.append((16 * mib, [(3, 16 * mib)]))
+
+        def capture_model(self, *, profile_only=False):
+            compilation_counter.num_cudagraph_captured += 1
+            return 0
+
+    runner = Runner()
+    initialize_kv_cache = patch._wrap_initialize_kv_cache(Runner.initialize_kv_cache)
+    initialize_kv_cache(runner, None, True)
+    assert not hasattr(runner, "specgraph_profile")
+    estimate = GraphMemoryReport((OwnerMemory("target", 1, 0, 0),), 0, 0, 0, 0, 1.0)
+    runner.specgraph_profile = meter.SpecgraphCapture(
+        estimate=estimate, kv_state_bytes=16 * mib, kv_state_kept_bytes=0
+    )
+    segments[:] = [(300 * mib, [(1, 300 * mib)])]
+    initialize_kv_cache(runner, None)
+    assert runner.specgraph_profile.actual_kv_state_bytes == 16 * mib
+    for name, fn in {
+        "synchronize": lambda *args: None,
+        "empty_cache": lambda: None,
+        "mem_get_info": lambda *args: (1000 * mib, 2000 * mib),
+        "memory_reserved": lambda *args: 0,
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    with caplog.at_level("INFO", logger="vllm.specgraph"):
+        patch._wrap_capture_model(Runner.capture_model)(runner)
+    [line] = [r.message for r in caplog.records if "estimate vs actual" in r.message]
+    assert (
+        "KV-cache set-up beside the cache: production made 16.0 MiB, the budget held 16.0 MiB "
+        "for it and 0.0 MiB of the profile's own in its one-time bytes" in line
+    ), line

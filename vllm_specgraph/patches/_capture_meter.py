@@ -4,8 +4,9 @@ The production capture (the ``model_runner`` patch) and the exact profile's
 passes (the ``cudagraph_utils`` patch) measure ``capture_model`` alike, so that
 the estimate and the actual are one reading taken twice: :class:`CaptureMeter`
 for each owner's bytes and graphs, :class:`CaptureFootprint` for where the
-call's bytes went, and :class:`SpecgraphCapture` for what the plugin keeps on
-a runner.
+call's bytes went, :class:`KVSetUpState` for what ``initialize_kv_cache`` makes
+beside the KV cache (read around the profile's set-up and production's), and
+:class:`SpecgraphCapture` for what the plugin keeps on a runner.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -22,6 +24,7 @@ from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory, allocator_seg
 __all__ = [
     "CaptureFootprint",
     "CaptureMeter",
+    "KVSetUpState",
     "SpecgraphCapture",
     "current_meter",
     "metering",
@@ -155,6 +158,63 @@ def metering(meter: CaptureMeter) -> Iterator[CaptureMeter]:
         _active_meter.reset(token)
 
 
+@dataclass(frozen=True)
+class KVSetUpState:
+    """What ``initialize_kv_cache`` made beside the KV cache itself: attention
+    metadata builders' buffers, block tables, the speculator's own.
+
+    Production's ``initialize_kv_cache`` makes the same state again once the KV
+    cache is sized, outside the KV budget. What of the profile's state outlives
+    the pass is in the pass's one-time bytes already: production replaces it,
+    and the old copy is cached until the capture empties the cache. What the
+    profile's teardown freed, production makes anew. State sized by the block
+    count (FlexAttention's metadata) is made with the minimal count here.
+    """
+
+    blocks: frozenset[tuple[int, int]]
+    # (driver bytes, allocated blocks) of every segment that holds a state block
+    segments: tuple[tuple[int, frozenset[tuple[int, int]]], ...]
+    blocks_after: frozenset[tuple[int, int]]  # every allocated block after the set-up
+
+    @staticmethod
+    def read(runner: Any, blocks_before: frozenset[tuple[int, int]]) -> KVSetUpState:
+        kv_cache = {t.untyped_storage().data_ptr() for t in getattr(runner, "kv_caches", ())}
+        segments = [
+            (
+                int(segment["total_size"]),
+                frozenset(
+                    (block["address"], block["size"])
+                    for block in segment["blocks"]
+                    if block["state"] == "active_allocated"
+                ),
+            )
+            for segment in allocator_segments()
+        ]
+        after = frozenset(block for _, blocks in segments for block in blocks)
+        state = frozenset(b for b in after - blocks_before if b[0] not in kv_cache)
+        return KVSetUpState(
+            state, tuple((size, blocks) for size, blocks in segments if blocks & state), after
+        )
+
+    def own_segments_bytes(self) -> int:
+        """Driver bytes of the segments that hold nothing but this state."""
+        return sum(size for size, blocks in self.segments if blocks <= self.blocks)
+
+    def kept_bytes(self, alive: frozenset[tuple[int, int]]) -> int:
+        """Of :meth:`own_segments_bytes`, the segments a block of which is still alive."""
+        return sum(
+            size for size, blocks in self.segments if blocks <= self.blocks and blocks & alive
+        )
+
+    def freed_bytes(self, alive: frozenset[tuple[int, int]]) -> int:
+        """Driver bytes of the segments that held only state blocks now freed:
+        what production's set-up takes again. A segment shared with a block that
+        is still alive (or one made before) costs production no new segment."""
+        return sum(
+            size for size, blocks in self.segments if blocks <= self.blocks and not blocks & alive
+        )
+
+
 @dataclass
 class SpecgraphCapture:
     """What the plugin measured for one runner: the profile's estimate and the actual."""
@@ -169,6 +229,8 @@ class SpecgraphCapture:
     expandable_segments: bool = False  # during the profile's and production's captures
     expandable_segments_blocker: str | None = None  # why not, if not
     kv_state_bytes: int = 0  # production's KV set-up state beside the cache, budgeted anew
+    kv_state_kept_bytes: int = 0  # the profile's own, outliving it: in the one-time bytes
+    actual_kv_state_bytes: int | None = None  # what production's set-up made beside the cache
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -186,6 +248,8 @@ class SpecgraphCapture:
             "expandable_segments": self.expandable_segments,
             "expandable_segments_blocker": self.expandable_segments_blocker,
             "kv_state_bytes": self.kv_state_bytes,
+            "kv_state_kept_bytes": self.kv_state_kept_bytes,
+            "actual_kv_state_bytes": self.actual_kv_state_bytes,
         }
 
 

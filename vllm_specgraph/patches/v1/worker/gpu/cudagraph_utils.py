@@ -58,6 +58,7 @@ from vllm_specgraph.patches._capture_allocator import (
 from vllm_specgraph.patches._capture_meter import (
     CaptureFootprint,
     CaptureMeter,
+    KVSetUpState,
     SpecgraphCapture,
     metering,
 )
@@ -66,7 +67,6 @@ from vllm_specgraph.patches.distributed.parallel_state import group_channel_pool
 from vllm_specgraph.profile import (
     GraphMemoryReport,
     OwnerMemory,
-    allocator_segments,
     disposable_graph_pass,
     live_blocks,
     release_capture_stream_workspaces,
@@ -112,6 +112,7 @@ class ProfileOutcome:
     expandable_segments: bool  # during the passes' captures
     expandable_segments_blocker: str | None  # why not, if not
     kv_state_bytes: int  # of the KV-cache set-up's own state, what production makes anew
+    kv_state_kept_bytes: int  # what of it outlived the pass, in the one-time bytes
 
 
 def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome | None:
@@ -226,6 +227,7 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome | None:
         last.expandable_segments,
         expandable_segments_blocker(runner.vllm_config),
         kv_state_bytes=last.kv_state.freed_bytes(blocks_end),
+        kv_state_kept_bytes=last.kv_state.kept_bytes(blocks_end),
     )
 
 
@@ -249,7 +251,7 @@ class _Pass:
     footprint: CaptureFootprint | None
     expandable_segments: bool
     blocks_before_capture: frozenset[tuple[int, int]]
-    kv_state: _KVState
+    kv_state: KVSetUpState
 
 
 def _measured_pass(
@@ -282,7 +284,7 @@ def _measured_pass(
             clock.lap("minimal KV cache" + suffix)
             if not runner.needs_cudagraph_capture():
                 return None
-            kv_state = _KVState.read(runner, blocks_before_init)
+            kv_state = KVSetUpState.read(runner, blocks_before_init)
             blocks_before_capture = kv_state.blocks_after
             # Production's own path, adaptive-verification runs and lock included
             # (the pass restores the lock): what it measures is what production does.
@@ -312,53 +314,6 @@ def _measured_pass(
         blocks_before_capture,
         kv_state,
     )
-
-
-@dataclass(frozen=True)
-class _KVState:
-    """What ``initialize_kv_cache`` made beside the KV cache itself: attention
-    metadata builders' buffers, block tables, the speculator's own.
-
-    Production's ``initialize_kv_cache`` makes the same state again once the KV
-    cache is sized, outside the KV budget. What of the profile's state outlives
-    the pass is in the pass's one-time bytes already: production replaces it,
-    and the old copy is cached until the capture empties the cache. What the
-    profile's teardown freed, production makes anew. State sized by the block
-    count (FlexAttention's metadata) is made with the minimal count here.
-    """
-
-    blocks: frozenset[tuple[int, int]]
-    # (driver bytes, allocated blocks) of every segment that holds a state block
-    segments: tuple[tuple[int, frozenset[tuple[int, int]]], ...]
-    blocks_after: frozenset[tuple[int, int]]  # every allocated block after the set-up
-
-    @staticmethod
-    def read(runner: GPUModelRunner, blocks_before: frozenset[tuple[int, int]]) -> _KVState:
-        kv_cache = {t.untyped_storage().data_ptr() for t in getattr(runner, "kv_caches", ())}
-        segments = [
-            (
-                int(segment["total_size"]),
-                frozenset(
-                    (block["address"], block["size"])
-                    for block in segment["blocks"]
-                    if block["state"] == "active_allocated"
-                ),
-            )
-            for segment in allocator_segments()
-        ]
-        after = frozenset(block for _, blocks in segments for block in blocks)
-        state = frozenset(b for b in after - blocks_before if b[0] not in kv_cache)
-        return _KVState(
-            state, tuple((size, blocks) for size, blocks in segments if blocks & state), after
-        )
-
-    def freed_bytes(self, alive: frozenset[tuple[int, int]]) -> int:
-        """Driver bytes of the segments that held only state blocks now freed:
-        what production's set-up takes again. A segment shared with a block that
-        is still alive (or one made before) costs production no new segment."""
-        return sum(
-            size for size, blocks in self.segments if blocks <= self.blocks and not blocks & alive
-        )
 
 
 @contextmanager
@@ -505,6 +460,7 @@ def _profile_cudagraph_memory(upstream: Callable[[Any], int]) -> Callable[[Any],
             expandable_segments=outcome.expandable_segments,
             expandable_segments_blocker=outcome.expandable_segments_blocker,
             kv_state_bytes=outcome.kv_state_bytes,
+            kv_state_kept_bytes=outcome.kv_state_kept_bytes,
         )
         # What vLLM makes after sizing the KV cache comes out of it too: the KV
         # initialisation's own state and communicator workspaces.

@@ -35,12 +35,14 @@ from types import ModuleType
 from vllm_specgraph.lanes import DEFAULT_OWNER_LANES, current_owner, use_lane
 from vllm_specgraph.patches._capture_meter import (
     CaptureMeter,
+    KVSetUpState,
     SpecgraphCapture,
     current_meter,
     metering,
 )
 from vllm_specgraph.patches._patching import PatchSet
 from vllm_specgraph.patches._profile_run import wrap_profile_run
+from vllm_specgraph.profile import live_blocks
 
 __all__ = ["install", "run_speculator_in_draft_lane"]
 
@@ -143,6 +145,22 @@ def _wrap_capture_model(original: Callable) -> Callable:
     return capture_model
 
 
+def _wrap_initialize_kv_cache(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def initialize_kv_cache(self, kv_cache_config, is_profiling=False, *args, **kwargs):
+        """vLLM's, and after production's (the profile has run): what it made
+        beside the KV cache, for the estimate-vs-actual line."""
+        outcome: SpecgraphCapture | None = getattr(self, "specgraph_profile", None)
+        if is_profiling or outcome is None:
+            return original(self, kv_cache_config, is_profiling, *args, **kwargs)
+        blocks_before = live_blocks()
+        result = original(self, kv_cache_config, is_profiling, *args, **kwargs)
+        outcome.actual_kv_state_bytes = KVSetUpState.read(self, blocks_before).own_segments_bytes()
+        return result
+
+    return initialize_kv_cache
+
+
 def _log_estimate_vs_actual(outcome: SpecgraphCapture) -> None:
     estimated = {o.owner: o.driver_bytes for o in outcome.estimate.owners}
     parts = []
@@ -154,6 +172,14 @@ def _log_estimate_vs_actual(outcome: SpecgraphCapture) -> None:
     total_actual = sum(o.driver_bytes for o in outcome.actual or ())
     total_estimate = outcome.estimate.total_driver_bytes
     kept = outcome.estimate.one_time_bytes + max(outcome.estimate.retained_bytes, 0)
+    kv_state = (
+        ""
+        if outcome.actual_kv_state_bytes is None
+        else f"; KV-cache set-up beside the cache: production made "
+        f"{outcome.actual_kv_state_bytes / _MIB:.1f} MiB, the budget held "
+        f"{outcome.kv_state_bytes / _MIB:.1f} MiB for it and "
+        f"{outcome.kv_state_kept_bytes / _MIB:.1f} MiB of the profile's own in its one-time bytes"
+    )
     footprints = [
         f"{name}: {footprint.describe()}"
         for name, footprint in (
@@ -164,13 +190,14 @@ def _log_estimate_vs_actual(outcome: SpecgraphCapture) -> None:
     ]
     logger.info(
         "vllm-specgraph: CUDA graph memory, estimate vs actual: %s; graphs %.1f vs %.1f MiB "
-        "(%+.2f%%); the budget also held %.1f MiB the profile left with the process; "
+        "(%+.2f%%); the budget also held %.1f MiB the profile left with the process%s; "
         "production capture %.2f s, profile %.2f s (%.2fx)%s",
         ", ".join(parts),
         total_estimate / _MIB,
         total_actual / _MIB,
         100.0 * (total_estimate - total_actual) / max(total_actual, 1),
         kept / _MIB,
+        kv_state,
         outcome.capture_wall_seconds,
         outcome.estimate.wall_seconds,
         outcome.estimate.wall_seconds / max(outcome.capture_wall_seconds or 0.0, 1e-9),
@@ -205,6 +232,12 @@ def install(patches: PatchSet, model_runner: ModuleType) -> None:
     runner = model_runner.GPUModelRunner
     patches.wrap(runner, "__init__", _wrap_init, parameters=("vllm_config",))
     patches.wrap(runner, "profile_run", wrap_profile_run)
+    patches.wrap(
+        runner,
+        "initialize_kv_cache",
+        _wrap_initialize_kv_cache,
+        parameters=("kv_cache_config", "is_profiling"),
+    )
     patches.wrap(
         runner,
         "capture_model",
