@@ -93,7 +93,10 @@ def vllm_env(install_patch, allocator_conf, monkeypatch):
             segment(0, (0, 0), {0: 300 * MIB, **shared}),
             *(
                 segment(0, (0, 0), {a: state["blocks"][a] for a in group if a in state["blocks"]})
-                | {"total_size": size}
+                | {
+                    "total_size": size,
+                    "is_expandable": state.get("expandable_state_segment", False),
+                }
                 for size, group in state["segments"]
                 if any(a in state["blocks"] for a in group)
             ),
@@ -659,9 +662,10 @@ def test_profile_budget_holds_the_kv_state_production_makes_again(vllm_env, capl
     assert "budget 68.0 MiB (with 20.0 MiB of KV-cache initialisation state made after" in line
 
 
-def test_profile_kv_state_beside_kept_state_costs_production_no_segment(vllm_env):
+def test_profile_kv_state_beside_kept_state_is_budgeted_at_its_blocks_bytes(vllm_env):
     """A freed state block that shared its segment with state that outlives the
-    pass: that segment is in the one-time bytes, so it is not budgeted twice."""
+    pass: that segment is in the one-time bytes; the freed block is budgeted at
+    its own bytes, not its segment's, and never at less."""
     env = vllm_env
     env.state.update(
         kv_state_bytes=8 * MIB,
@@ -671,19 +675,28 @@ def test_profile_kv_state_beside_kept_state_costs_production_no_segment(vllm_env
     )
     runner = _runner(env)
     budget = env.cudagraph_utils.profile_cudagraph_memory(runner)
-    assert runner.specgraph_profile.kv_state_bytes == 0
-    assert budget == (40 + 8) * MIB
+    assert runner.specgraph_profile.kv_state_bytes == 5 * MIB
+    assert budget == (40 + 8 + 5) * MIB
 
 
-def test_profile_kv_state_beside_an_older_block_is_not_its_own_segment(vllm_env):
+@pytest.mark.parametrize("expandable", [False, True])
+def test_profile_kv_state_beside_an_older_block_or_expandable_costs_its_blocks(
+    vllm_env, expandable
+):
     """A freed state block in a segment that a block from before the profile also
-    held: the segment was not the set-up's to take, so it is not budgeted."""
+    held, or in an expandable segment (one per stream, shared by everything): the
+    segment says nothing of the state's cost, so its blocks' bytes are budgeted."""
     env = vllm_env
-    env.state.update(kv_state_freed_bytes=5 * MIB, kv_state_freed_segment=20 * MIB)
-    env.state["older_block"] = env.new_block(2 * MIB)
+    env.state.update(
+        kv_state_freed_bytes=5 * MIB,
+        kv_state_freed_segment=20 * MIB,
+        expandable_state_segment=expandable,
+    )
+    if not expandable:
+        env.state["older_block"] = env.new_block(2 * MIB)
     runner = _runner(env)
     env.cudagraph_utils.profile_cudagraph_memory(runner)
-    assert runner.specgraph_profile.kv_state_bytes == 0
+    assert runner.specgraph_profile.kv_state_bytes == 5 * MIB
 
 
 def test_profile_measured_twice_budgets_the_last_passes_kv_state(vllm_env):

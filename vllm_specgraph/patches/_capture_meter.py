@@ -172,7 +172,9 @@ class KVSetUpState:
     """
 
     blocks: frozenset[tuple[int, int]]
-    # (driver bytes, allocated blocks) of every segment that holds a state block
+    made: frozenset[tuple[int, int]]  # every block the set-up made, the KV cache's included
+    # (driver bytes, allocated blocks) of every fixed-size segment that holds a
+    # state block; an expandable segment (one per stream) says nothing of its own
     segments: tuple[tuple[int, frozenset[tuple[int, int]]], ...]
     blocks_after: frozenset[tuple[int, int]]  # every allocated block after the set-up
 
@@ -187,32 +189,48 @@ class KVSetUpState:
                     for block in segment["blocks"]
                     if block["state"] == "active_allocated"
                 ),
+                bool(segment.get("is_expandable", False)),
             )
             for segment in allocator_segments()
         ]
-        after = frozenset(block for _, blocks in segments for block in blocks)
-        state = frozenset(b for b in after - blocks_before if b[0] not in kv_cache)
-        return KVSetUpState(
-            state, tuple((size, blocks) for size, blocks in segments if blocks & state), after
+        after = frozenset(block for _, blocks, _ in segments for block in blocks)
+        made = after - blocks_before
+        state = frozenset(b for b in made if b[0] not in kv_cache)
+        held = tuple(
+            (size, blocks)
+            for size, blocks, expandable in segments
+            if blocks & state and not expandable
         )
+        return KVSetUpState(state, made, held, after)
 
     def own_segments_bytes(self) -> int:
-        """Driver bytes of the segments that hold nothing but this state."""
-        return sum(size for size, blocks in self.segments if blocks <= self.blocks)
+        """Driver bytes of this state: the segments that hold nothing else, and
+        never less than its blocks' bytes (blocks beside others, in an expandable
+        segment or a segment shared with another owner, still cost their size)."""
+        segments = sum(size for size, blocks in self.segments if blocks <= self.blocks)
+        return max(segments, _bytes(self.blocks))
 
     def kept_bytes(self, alive: frozenset[tuple[int, int]]) -> int:
-        """Of :meth:`own_segments_bytes`, the segments a block of which is still alive."""
-        return sum(
-            size for size, blocks in self.segments if blocks <= self.blocks and blocks & alive
+        """What of this state is still alive, as :meth:`own_segments_bytes` counts it."""
+        kept = self.blocks & alive
+        segments = sum(
+            size for size, blocks in self.segments if blocks <= self.made and blocks & alive
         )
+        return max(segments, _bytes(kept)) if kept else 0
 
     def freed_bytes(self, alive: frozenset[tuple[int, int]]) -> int:
-        """Driver bytes of the segments that held only state blocks now freed:
-        what production's set-up takes again. A segment shared with a block that
-        is still alive (or one made before) costs production no new segment."""
-        return sum(
-            size for size, blocks in self.segments if blocks <= self.blocks and not blocks & alive
+        """What production's set-up takes again of what is freed now: the segments
+        that held nothing but what the set-up made (the minimal KV cache included)
+        and none of it alive, and never less than the freed state blocks' bytes."""
+        freed = self.blocks - alive
+        segments = sum(
+            size for size, blocks in self.segments if blocks <= self.made and not blocks & alive
         )
+        return max(segments, _bytes(freed))
+
+
+def _bytes(blocks: frozenset[tuple[int, int]]) -> int:
+    return sum(size for _, size in blocks)
 
 
 @dataclass
