@@ -47,3 +47,13 @@ def test_a_test_broken_by_the_plugin_fails_the_comparison_unless_listed(tmp_path
     assert compare.main(["compare", off_path, on_path, listed]) == 0
     assert "on purpose: pins one lane" in capsys.readouterr().out
     assert compare.main(["compare", off_path, off_path]) == 0
+    assert "listed as on purpose" not in capsys.readouterr().out
+    assert compare.main(["compare", off_path, off_path, listed]) == 0
+    assert "listed as on purpose but not broken by the plugin: tests.a::test_pinned" in (
+        capsys.readouterr().out
+    )
+    skipped = OFF.replace(
+        '<testcase classname="tests.a" name="test_kept"/>',
+        '<testcase classname="tests.a" name="test_kept"><skipped message="x"/></testcase>',
+    )
+    assert compare.main(["compare", off_path, _report(tmp_path, "skip.xml", skipped)]) == 1

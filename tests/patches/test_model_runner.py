@@ -305,7 +305,9 @@ def test_production_kv_set_up_is_read_beside_the_cache_and_logged(
     class Runner:
         vllm_config = SimpleNamespace(use_cumem_cudagraph_pool=False)
 
-        def initialize_kv_cache(self, kv_cache_config, is_profiling=False):
+        def initialize_kv_cache(
+            self, kv_cache_config, is_profiling=False, kv_cache_allocation_context=None
+        ):
             self.kv_caches = [kv[:4], kv[4:]]
             address = kv.untyped_storage().data_ptr()
             segments[0] = (300 * mib, [(1, 300 * mib), (2, 1024)])  # a block in an old segment

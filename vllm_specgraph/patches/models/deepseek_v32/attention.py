@@ -36,7 +36,7 @@ __all__ = ["install"]
 def _wrap_sparse_indexer_and_attn(original: Callable) -> Callable:
     @functools.wraps(original)
     def _sparse_indexer_and_attn(self, positions, q_c, *args, **kwargs):
-        # Read as vLLM's own method reads it, where the layer has it at all.
+        # Not every layer vLLM builds (or its tests build) has a DCP manager.
         if getattr(self, "dcp_manager", None) is not None:
             from vllm.forward_context import get_forward_context
 

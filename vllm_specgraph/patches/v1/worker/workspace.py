@@ -64,7 +64,7 @@ class LaneWorkspaceManager(LaneWorkspace):
             alloc_context=alloc_context,
             # Looked up in vLLM's workspace module at each call, as its manager
             # looks it up (what replaces it there replaces it here); C callables,
-            # so the request path gains no Python call.
+            # so the request path gains no Python frame.
             ubatch_id=functools.partial(
                 operator.methodcaller("dbo_current_ubatch_id"),
                 sys.modules[_VLLM_WORKSPACE],

@@ -100,9 +100,14 @@ class LaneOwnedFactory(Generic[W]):
         workspace = self._create(*bound.args, **bound.kwargs)
         disposable = current_disposable_pass()
         if disposable is not None:
-            disposable.on_destroy(functools.partial(self._made.pop, key, None))
+            disposable.on_destroy(functools.partial(self._forget, key, workspace))
         self._made[key] = workspace
         return workspace
+
+    def _forget(self, key: Hashable, workspace: W) -> None:
+        # Only the one the pass made: after a cache_clear, the key may hold another.
+        if self._made.get(key) is workspace:
+            del self._made[key]
 
     def cache_clear(self) -> None:
         """Forget every lane's workspaces, as ``functools.cache``'s ``cache_clear`` does

@@ -147,14 +147,23 @@ def _wrap_capture_model(original: Callable) -> Callable:
 
 def _wrap_initialize_kv_cache(original: Callable) -> Callable:
     @functools.wraps(original)
-    def initialize_kv_cache(self, kv_cache_config, is_profiling=False, *args, **kwargs):
+    def initialize_kv_cache(
+        self, kv_cache_config, is_profiling=False, kv_cache_allocation_context=None
+    ):
         """vLLM's, and after production's (the profile has run): what it made
         beside the KV cache, for the estimate-vs-actual line."""
+        call = functools.partial(
+            original,
+            self,
+            kv_cache_config,
+            is_profiling=is_profiling,
+            kv_cache_allocation_context=kv_cache_allocation_context,
+        )
         outcome: SpecgraphCapture | None = getattr(self, "specgraph_profile", None)
         if is_profiling or outcome is None:
-            return original(self, kv_cache_config, is_profiling, *args, **kwargs)
+            return call()
         blocks_before = live_blocks()
-        result = original(self, kv_cache_config, is_profiling, *args, **kwargs)
+        result = call()
         outcome.actual_kv_state_bytes = KVSetUpState.read(self, blocks_before).own_segments_bytes()
         return result
 
@@ -236,7 +245,7 @@ def install(patches: PatchSet, model_runner: ModuleType) -> None:
         runner,
         "initialize_kv_cache",
         _wrap_initialize_kv_cache,
-        parameters=("kv_cache_config", "is_profiling"),
+        parameters=("kv_cache_config", "is_profiling", "kv_cache_allocation_context"),
     )
     patches.wrap(
         runner,
