@@ -35,9 +35,9 @@ with tarfile.open(path) as tar:
 PY
 fi
 # Without their dependencies: .venv has pytest and the rest, which must not be shadowed.
-"$PY" -m pip install -q --disable-pip-version-check --no-deps --target "$WORK/site" \
-  tblib==3.2.2 pytest-asyncio==1.5.0 pytest-mock==3.17.0 pytest-timeout==2.4.0 \
-  pytest-forked==1.7.5 multiprocess==0.70.19
+[ -d "$WORK/site/tblib" ] || "$PY" -m pip install -q --disable-pip-version-check --no-deps \
+  --target "$WORK/site" tblib==3.2.2 pytest-asyncio==1.5.0 pytest-mock==3.17.0 \
+  pytest-timeout==2.4.0 pytest-forked==1.7.5 multiprocess==0.70.19
 cp "$REPO/scripts/vllm_own_tests/specgraph_loaded.py" "$WORK/site/"
 cd "$WORK/vllm-0.33.0"
 export PYTHONPATH="$WORK/site" VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
