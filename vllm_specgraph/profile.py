@@ -59,6 +59,7 @@ __all__ = [
     "measure_captures",
     "profile_graph_memory",
     "release_capture_stream_workspaces",
+    "segment_blocks",
     "settled_free_bytes",
 ]
 
@@ -177,9 +178,13 @@ def live_blocks() -> frozenset[tuple[int, int]]:
 
     Two readings tell which blocks were made in between and are still alive.
     """
+    return frozenset(block for segment in allocator_segments() for block in segment_blocks(segment))
+
+
+def segment_blocks(segment: dict[str, Any]) -> frozenset[tuple[int, int]]:
+    """``(address, size)`` of the allocated blocks of one of :func:`allocator_segments`."""
     return frozenset(
         (block["address"], block["size"])
-        for segment in allocator_segments()
         for block in segment["blocks"]
         if block["state"] == "active_allocated"
     )

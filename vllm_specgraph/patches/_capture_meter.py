@@ -19,7 +19,12 @@ from typing import Any
 
 import torch
 
-from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory, allocator_segments
+from vllm_specgraph.profile import (
+    GraphMemoryReport,
+    OwnerMemory,
+    allocator_segments,
+    segment_blocks,
+)
 
 __all__ = [
     "CaptureFootprint",
@@ -184,11 +189,7 @@ class KVSetUpState:
         segments = [
             (
                 int(segment["total_size"]),
-                frozenset(
-                    (block["address"], block["size"])
-                    for block in segment["blocks"]
-                    if block["state"] == "active_allocated"
-                ),
+                segment_blocks(segment),
                 bool(segment.get("is_expandable", False)),
             )
             for segment in allocator_segments()

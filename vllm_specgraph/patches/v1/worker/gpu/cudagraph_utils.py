@@ -174,7 +174,7 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome | None:
         one_time, retained = retained, 0
         outside_allocator = sum(o.driver_bytes - o.allocator_bytes for o in first.owners)
         in_allocator = torch.cuda.memory_reserved() - reserved_start
-        made_while_capturing = live_blocks() - blocks_start - first.blocks_before_capture
+        made_while_capturing = first.blocks_after - blocks_start - first.blocks_before_capture
         one_pass = (
             first.expandable_segments
             and not made_while_capturing
@@ -209,7 +209,6 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome | None:
         assert again is not None, "the first pass found graphs to capture"
         last, passes = again, 2
         owners, retained = last.owners, first.free_after - last.free_after
-    blocks_end = live_blocks()
     report = GraphMemoryReport(
         owners=owners,
         one_time_bytes=one_time,
@@ -226,8 +225,8 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome | None:
         passes,
         last.expandable_segments,
         expandable_segments_blocker(runner.vllm_config),
-        kv_state_bytes=last.kv_state.freed_bytes(blocks_end),
-        kv_state_kept_bytes=last.kv_state.kept_bytes(blocks_end),
+        kv_state_bytes=last.kv_state.freed_bytes(last.blocks_after),
+        kv_state_kept_bytes=last.kv_state.kept_bytes(last.blocks_after),
     )
 
 
@@ -248,6 +247,7 @@ def budget_bytes(report: GraphMemoryReport) -> int:
 class _Pass:
     owners: tuple[OwnerMemory, ...]
     free_after: int
+    blocks_after: frozenset[tuple[int, int]]  # the allocator's blocks once the pass ended
     footprint: CaptureFootprint | None
     expandable_segments: bool
     blocks_before_capture: frozenset[tuple[int, int]]
@@ -304,11 +304,12 @@ def _measured_pass(
             compilation_counter.num_gpu_runner_capture_triggers,
         ) = counters
     # The pass ended by settling (its restore steps), so a plain reading will do.
-    free_after = torch.cuda.mem_get_info()[0]
+    free_after, blocks_after = torch.cuda.mem_get_info()[0], live_blocks()
     clock.lap("teardown" + suffix)
     return _Pass(
         meter.owners(total, num_graphs),
         free_after,
+        blocks_after,
         meter.footprint,
         expandable,
         blocks_before_capture,
