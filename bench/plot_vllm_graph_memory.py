@@ -3,8 +3,8 @@
     python bench/plot_vllm_graph_memory.py [JSON [SIZE ...]]
 
 JSON defaults to bench/results/vllm_graph_memory.json; SIZEs pick the rows to
-draw by their size group (tiny, 1b, 1b-small, ...; tight-memory rows are not
-drawn), by default those at vLLM's default capture sizes (the README's plot).
+draw by their size group (tiny, 1b, 8b-compile, ...), by default every group
+at vLLM's default capture sizes, allocator and workload (the README's plot).
 
 Reads the JSON that scripts/vllm_e2e/summarize.py writes from the runs on the
 GPU machine and writes a PNG next to it: for each (size, speculator), with the
@@ -20,6 +20,7 @@ import os
 import sys
 
 MIB = 1 << 20
+DETAIL_GROUPS = {"small", "peak", "expandable"}
 
 
 def main(path: str, sizes: list[str]) -> str:
@@ -34,7 +35,7 @@ def main(path: str, sizes: list[str]) -> str:
             for r in json.load(f)["rows"]
             if r["taken_off_bytes"] is not None
             and r["taken_on_bytes"] is not None
-            and (not sizes or r["size"] in sizes)
+            and (r["size"] in sizes if sizes else not DETAIL_GROUPS & set(r["size"].split("-")))
         ]
     # A row without the time it was measured comes from older code: say so under it.
     labels = [
@@ -77,6 +78,5 @@ def main(path: str, sizes: list[str]) -> str:
 
 
 if __name__ == "__main__":
-    # The README's plot: the size groups at vLLM's default capture sizes.
-    args = sys.argv[1:] or ["bench/results/vllm_graph_memory.json", "tiny", "tiny-tp2", "1b"]
+    args = sys.argv[1:] or ["bench/results/vllm_graph_memory.json"]
     print(main(args[0], args[1:]))

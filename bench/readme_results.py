@@ -1,9 +1,10 @@
 """The README's results block, generated from ``bench/results/``.
 
-Two short tables: graph memory (vLLM's estimate and the plugin's, against what
-the production capture took) from ``vllm_graph_memory.json``, and serving (the
-plugin's share of a decode step) from ``vllm_load.json``; every row with the
-time it was measured and the commit, where the run recorded one. The block sits
+Three short tables: graph memory (vLLM's estimate and the plugin's, against what
+the production capture took) from ``vllm_graph_memory.json``, serving (the
+plugin's share of a decode step) from ``vllm_load.json`` and ``vllm serve``
+from ``vllm_serve.json``; every row with the time it was measured and the
+commit. The block sits
 between :data:`BEGIN` and :data:`END` in ``README.md``.
 
     python3 bench/readme_results.py          # rewrite the block
@@ -48,20 +49,44 @@ def _when(row: dict[str, Any]) -> str:
     return f"{row['measured_utc']}, {row.get('commit') or '-'}"
 
 
+def _graphs(group: str) -> str:
+    return "compile" if "compile" in group.split("-") else "FULL"
+
+
 def _memory_rows(doc: dict[str, Any]) -> list[str]:
     out = [
-        "| model | speculator | vLLM's estimate | plugin's estimate | production took | "
-        "measured (UTC), commit |",
-        "|---|---|---:|---:|---:|---|",
+        "| model | graphs | speculator | vLLM's estimate | plugin's estimate | production took | "
+        "over budget at rest, plugin | measured (UTC), commit |",
+        "|---|---|---|---:|---:|---:|---:|---|",
     ]
     for row in doc["rows"]:
         if any(part in row["size"].split("-") for part in _DETAIL_GROUPS):
             continue
+        over = row.get("over_budget_on_bytes")
         out.append(
-            f"| {row['size']} | {_SPECULATORS.get(row['case'], row['case'])} | "
+            f"| {row['size'].split('-')[0]} | {_graphs(row['size'])} | "
+            f"{_SPECULATORS.get(row['case'], row['case'])} | "
             f"{_mib(row.get('upstream_estimate_bytes'))} | "
             f"{_mib(row.get('plugin_estimate_bytes'))} | {_mib(row.get('actual_on_bytes'))} | "
-            f"{_when(row)} |"
+            f"{'-' if over is None else f'{over / _MIB:.1f}'} | {_when(row)} |"
+        )
+    return out
+
+
+def _serve_rows(doc: dict[str, Any]) -> list[str]:
+    out = [
+        "| model | graphs | speculator | requests | ready after s off / on | GPU MiB left "
+        "after SIGINT off / on | tokens off = on | measured (UTC), commit |",
+        "|---|---|---|---:|---:|---:|---|---|",
+    ]
+    for row in doc["rows"]:
+        ready = " / ".join("-" if v is None else f"{v:.0f}" for v in row["startup_s"])
+        left = " / ".join("-" if v is None else str(v) for v in row["gpu_left_mib"])
+        graphs = _graphs(row["graph_mode"])
+        out.append(
+            f"| {row['size']} | {graphs} | {_SPECULATORS.get(row['case'], row['case'])} | "
+            f"{row['requests']} | {ready} | {left} | {row['checks']['tokens equal']} | "
+            f"{row['measured_utc']}, {row.get('commit') or '-'} |"
         )
     return out
 
@@ -105,14 +130,15 @@ def block(results: Path = RESULTS) -> str:
     """The block, markers included, from the JSON files under ``results``."""
     memory = json.loads((results / "vllm_graph_memory.json").read_text())
     load = json.loads((results / "vllm_load.json").read_text())
+    serve = json.loads((results / "vllm_serve.json").read_text())
     lines = [
         BEGIN,
         "",
         _summary(memory, load),
         "",
-        "**Graph memory** (MiB at driver level; vLLM's default capture sizes, FULL "
-        "graphs, H200; `bench/results/vllm_graph_memory.md` has every row and column; "
-        "commit `-`: measured before runs recorded it):",
+        "**Graph memory** (MiB at driver level; vLLM's default capture sizes, H200; graphs "
+        "`compile`: vLLM's default, torch.compile with FULL_AND_PIECEWISE graphs; `FULL`: "
+        "compilation off; `bench/results/vllm_graph_memory.md` has every column):",
         "",
         *_memory_rows(memory),
         "",
@@ -120,6 +146,11 @@ def block(results: Path = RESULTS) -> str:
         "`bench/results/vllm_load.md` has every column):",
         "",
         *_load_rows(load),
+        "",
+        "**`vllm serve`** (API server and engine core in their own processes, concurrent "
+        "completions; `bench/results/vllm_serve.md`):",
+        "",
+        *_serve_rows(serve),
         "",
         END,
     ]

@@ -5,7 +5,6 @@
 #   bash scripts/device-vllm-e2e.sh                                     # tiny, 8 runs
 #   SIZES=1b CASES="base draft eagle" PLUGIN="off on noest" \
 #     bash scripts/device-vllm-e2e.sh                                   # 1B, 9 runs
-#   MODE=tight bash scripts/device-vllm-e2e.sh                          # 1B base at the limit
 #   MODE=load bash scripts/device-vllm-e2e.sh                           # 1B draft models, 256 requests
 #   MODE=demo bash scripts/device-vllm-e2e.sh                           # make demo, through vLLM's tree
 #   MODE=serve bash scripts/device-vllm-e2e.sh                          # vllm serve, 1B draft model
@@ -20,15 +19,12 @@
 # switch), each in its own process with its own time limit, one run per GPU at a
 # time and as many at once as there are GPUs, and prints a summary last
 # (scripts/vllm_e2e/summarize.py). Logs and JSON files go to $OUT (or
-# /tmp/vllm-e2e-out): SIZE-CASE-PLUGIN[-small][-peak|-tight|-load[-rN]][-expandable][-tpN].json
+# /tmp/vllm-e2e-out): SIZE-CASE-PLUGIN[-small][-compile][-peak|-load[-rN]][-expandable][-tpN].json
 # and .log per run (-rN: round N > 1 of MODE=load), and
 # bench/results/vllm_graph_memory.{json,md} (vllm_load.* in MODE=load).
 #
 # Env knobs:
-#   MODE=bench                     bench: every run once, smoke workload (6 prompts)
-#                                  tight: calibration runs (off, on; one full step),
-#                                    then every PLUGIN switch at the utilization that
-#                                    scripts/vllm_e2e/memory_budget.py computes from them
+#   MODE=bench                     bench: every run once, the WORKLOAD below
 #                                  load: 256 mixed requests, timed; off and on of a case
 #                                    run one after the other on the same GPU, in
 #                                    LOAD_ROUNDS rounds
@@ -37,18 +33,17 @@
 #                                  serve: vllm serve (API server and engine core in their
 #                                    own processes), off then on, 64 concurrent
 #                                    completions each (scripts/vllm_e2e/serve.py)
-#   SIZES="tiny"                   tiny | 1b | 8b (default 1b in MODE=tight and MODE=load)
+#   SIZES="tiny"                   tiny | 1b | 8b (default 1b in MODE=load)
 #   CASES="base draft ngram eagle" no speculator | draft model | accept (the draft
 #                                  model with the target's config: acceptance near 1)
-#                                  | ngram | EAGLE (default base in MODE=tight, base
-#                                  draft accept in MODE=load)
+#                                  | ngram | EAGLE (default base draft accept in
+#                                  MODE=load)
 #   GRAPHS="compile"               graph modes, one or both: compile (vLLM's default:
 #                                  torch.compile, FULL_AND_PIECEWISE) | full (compilation
-#                                  off, FULL graphs; the default, and the only one, in
-#                                  MODE=tight); "compile full" puts both in one table
+#                                  off, FULL graphs); "compile full" puts both in one
+#                                  table
 #   PLUGIN="off on"                off: plugin loaded, VLLM_SPECGRAPH=0 | on | none |
 #                                  noest: off and VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0
-#                                  (default "off on noest" in MODE=tight)
 #   CAPTURE="default"              capture-size sets, one or both: default (the size's:
 #                                  vLLM's default for 1b) | small (1, 2, 4, 8, 16, 32)
 #   ALLOCATOR=default              default: PyTorch's caching allocator as it comes
@@ -56,15 +51,15 @@
 #                                  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for
 #                                  every run; run once with each into one OUT to put
 #                                  both allocators side by side in the table
-#   ALLOCATOR_TRACE=0              1: record the allocator's history around every
-#                                  capture_model call of every run into
-#                                  $OUT/NAME.traces/capture-N.json.gz (TP=1 only;
-#                                  compare two with scripts/vllm_e2e/allocator_trace.py)
+#   WORKLOAD=smoke                 MODE=bench: smoke (6 prompts) | peak (one full step
+#                                  first, sampled; measured)
+#   UTIL=                          gpu_memory_utilization of every run (default: the
+#                                  size's); with WORKLOAD=peak, a run at the limit
+#   MEMORY_HISTORY=0               1: every run dumps the allocator's history into
+#                                  $OUT/NAME.pickle (torch's memory snapshot; TP=1 only)
 #   GPUS=(every GPU nvidia-smi lists)  GPU indices to run on (default: those of
 #                                  CUDA_VISIBLE_DEVICES if set); at TP=1 one run per
 #                                  GPU at a time, at TP > 1 one run per TP GPUs at a time
-#   TIGHT_MARGIN_MIB=              MODE=tight: margin below the free memory (default:
-#                                  computed from the calibration runs)
 #   LOAD_REQUESTS=256 LOAD_REPEATS=2   MODE=load: requests per generate, timed repeats
 #   LOAD_ROUNDS=2                  MODE=load: rounds of a case's switches, each round
 #                                  on one GPU, the order reversed every other round
@@ -107,11 +102,10 @@ W="${E2E_WORK:-/tmp/vllm-e2e}"  # work dir, emptied first: site dir, vLLM tree, 
 MODE="${MODE:-bench}"
 case "$MODE" in
   bench) d_sizes=tiny; d_cases="base draft ngram eagle"; d_plugin="off on"; d_graphs=compile ;;
-  tight) d_sizes=1b; d_cases=base; d_plugin="off on noest"; d_graphs=full ;;
   load) d_sizes=1b; d_cases="base draft accept"; d_plugin="off on"; d_graphs=compile ;;
   demo) d_sizes=tiny; d_cases=draft; d_plugin=on; d_graphs=compile ;;
   serve) d_sizes=1b; d_cases=draft; d_plugin="off on"; d_graphs=compile ;;
-  *) echo "unknown MODE '$MODE' (bench, tight, load, demo, serve)"; exit 2 ;;
+  *) echo "unknown MODE '$MODE' (bench, load, demo, serve)"; exit 2 ;;
 esac
 SIZES="${SIZES:-$d_sizes}"
 CASES="${CASES:-$d_cases}"
@@ -120,13 +114,14 @@ CAPTURE="${CAPTURE:-default}"
 GRAPHS="${GRAPHS:-$d_graphs}"
 LOAD_CORES="${LOAD_CORES:-8}"
 ALLOCATOR="${ALLOCATOR:-default}"
-ALLOCATOR_TRACE="${ALLOCATOR_TRACE:-0}"
+MEMORY_HISTORY="${MEMORY_HISTORY:-0}"
+WORKLOAD="${WORKLOAD:-smoke}"
+UTIL="${UTIL:-}"
 # Default: the GPUs CUDA_VISIBLE_DEVICES names, if set, else every GPU nvidia-smi lists.
 visible="${CUDA_VISIBLE_DEVICES:-}"
 GPUS="${GPUS:-${visible//,/ }}"
 GPUS="${GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | tr '\n' ' ')}"
 GPUS="${GPUS:-0}"
-TIGHT_MARGIN_MIB="${TIGHT_MARGIN_MIB:-}"
 LOAD_REQUESTS="${LOAD_REQUESTS:-256}"
 LOAD_REPEATS="${LOAD_REPEATS:-2}"
 LOAD_ROUNDS="${LOAD_ROUNDS:-2}"
@@ -162,11 +157,13 @@ case "$ALLOCATOR" in
   default|expandable) ;; *) echo "unknown ALLOCATOR '$ALLOCATOR' (default, expandable)"; exit 2 ;;
 esac
 case "$TP" in ''|*[!0-9]*|0) echo "TP must be a positive integer, got '$TP'"; exit 2 ;; esac
-case "$ALLOCATOR_TRACE" in
-  0) ;; 1) [ "$TP" = 1 ] || { echo "ALLOCATOR_TRACE=1 records at TP=1 only, got TP=$TP"; exit 2; } ;;
-  *) echo "ALLOCATOR_TRACE must be 0 or 1, got '$ALLOCATOR_TRACE'"; exit 2 ;;
+case "$MEMORY_HISTORY" in
+  0) ;; 1) [ "$TP" = 1 ] || { echo "MEMORY_HISTORY=1 records at TP=1 only, got TP=$TP"; exit 2; } ;;
+  *) echo "MEMORY_HISTORY must be 0 or 1, got '$MEMORY_HISTORY'"; exit 2 ;;
 esac
-[ "$MODE" != tight ] || [ "$GRAPHS" = full ] || { echo "MODE=tight runs GRAPHS=full only"; exit 2; }
+case "$WORKLOAD" in
+  smoke|peak) ;; *) echo "unknown WORKLOAD '$WORKLOAD' (smoke, peak)"; exit 2 ;;
+esac
 if [ "$MODE" = serve ]; then
   [ "$PLUGIN" = "off on" ] || { echo "MODE=serve runs PLUGIN=\"off on\" only, got '$PLUGIN'"; exit 2; }
   [ "$TP" = 1 ] && [ "$CAPTURE" = default ] && [ "$ALLOCATOR" = default ] \
@@ -186,6 +183,7 @@ if [ "$TP" -gt 1 ]; then
   SUFFIX="-tp$TP"
 fi
 RUN_ARGS+=(--allocator "$ALLOCATOR")
+[ -n "$UTIL" ] && RUN_ARGS+=(--gpu-mem-util "$UTIL")
 [ "$ALLOCATOR" = expandable ] && SUFFIX="-expandable$SUFFIX"  # a name ends in its TP part
 
 # Lanes: the GPUs one run uses, as CUDA_VISIBLE_DEVICES lists them (one GPU at
@@ -276,12 +274,6 @@ run_stem() {  # size case plugin capture graphs: SIZE-CASE-PLUGIN[-small][-compi
   echo "$stem"
 }
 
-plan_file() {  # size case capture
-  local small=""
-  [ "$3" = small ] && small="-small"
-  echo "$OUTDIR/plan-$1-$2$small$SUFFIX.json"
-}
-
 # torch.compile's first compile of a configuration, with an empty cache, gave
 # other greedy tokens than every later run that loaded its graphs from the cache,
 # plugin or not. So before the first measured compile run of a (size, case) on
@@ -310,26 +302,21 @@ compile_cache_warmup() {
   ) 9> "$COMPILED/.lock"
 }
 
-# One run: "size:case:plugin:capture:workload:tight:round:graphs", on lane $1.
+# One run: "size:case:plugin:capture:workload:round:graphs", on lane $1.
 run_one() {
-  local lane_index=$1 lane=${LANES[$1]} size case plugin capture workload tight round graphs stale
-  IFS=: read -r size case plugin capture workload tight round graphs <<< "$2"
+  local lane_index=$1 lane=${LANES[$1]} size case plugin capture workload round graphs stale
+  IFS=: read -r size case plugin capture workload round graphs <<< "$2"
   local name args=(--capture "$capture" --workload "$workload" --graph-mode "$graphs")
   name=$(run_stem "$size" "$case" "$plugin" "$capture" "$graphs")
-  if [ "$tight" = 1 ]; then
-    name+="-tight"
-    args+=(--tight-plan "$(plan_file "$size" "$case" "$capture")")
-  elif [ "$workload" != smoke ]; then
-    name+="-$workload"
-  fi
+  [ "$workload" != smoke ] && name+="-$workload"
   if [ "$workload" = load ]; then
     args+=(--load-requests "$LOAD_REQUESTS" --load-repeats "$LOAD_REPEATS" --load-round "$round")
     # Round 1 keeps the name of the runs from before rounds existed.
     [ "$round" -gt 1 ] && name+="-r$round"
   fi
   name+="$SUFFIX"
-  rm -rf "$OUTDIR/$name.json" "$OUTDIR/$name.log" "$OUTDIR/$name.traces"
-  [ "$ALLOCATOR_TRACE" = 1 ] && args+=(--allocator-trace "$OUTDIR/$name.traces")
+  rm -f "$OUTDIR/$name.json" "$OUTDIR/$name.log" "$OUTDIR/$name.pickle"
+  [ "$MEMORY_HISTORY" = 1 ] && args+=(--memory-history "$OUTDIR/$name.pickle")
   local tvar="T_$size" left limit
   left=$(( BUDGET - ($(date +%s) - t0) - RESERVE ))
   limit="${!tvar}"
@@ -413,7 +400,7 @@ run_jobs() {
 }
 
 # Jobs of one phase: every (graph mode, size, capture set, case); $1 is the workload, $2 the
-# plugin switches, $3 1 for the tight runs. With $4 = N rounds, the switches of a
+# plugin switches. With $3 = N rounds, the switches of a
 # case form one job per round (they run one after the other on one GPU), every
 # other round in reverse order (ABBA: off on, on off, ...), so that with several
 # GPUs the rounds run at once and share the host alike; else each run is a job of
@@ -426,16 +413,15 @@ make_jobs() {
     for size in $SIZES; do
       for capture in $CAPTURE; do
         for case in $CASES; do
-          [ "$3" = 1 ] && [ ! -e "$(plan_file "$size" "$case" "$capture")" ] && continue
-          if [ -z "${4:-}" ]; then
-            for plugin in $2; do JOBS+=("$size:$case:$plugin:$capture:$1:$3:1:$graphs"); done
+          if [ -z "${3:-}" ]; then
+            for plugin in $2; do JOBS+=("$size:$case:$plugin:$capture:$1:1:$graphs"); done
             continue
           fi
-          for round in $(seq 1 "$4"); do
+          for round in $(seq 1 "$3"); do
             order=$2
             [ $(( round % 2 )) = 0 ] && order=$reversed
             job=""
-            for plugin in $order; do job+="$size:$case:$plugin:$capture:$1:$3:$round:$graphs "; done
+            for plugin in $order; do job+="$size:$case:$plugin:$capture:$1:$round:$graphs "; done
             JOBS+=("$job")
           done
         done
@@ -483,11 +469,11 @@ case "$MODE" in
     exit $?
     ;;
   bench)
-    make_jobs smoke "$PLUGIN" 0
+    make_jobs "$WORKLOAD" "$PLUGIN"
     run_jobs
     ;;
   load)
-    make_jobs load "$PLUGIN" 0 "$LOAD_ROUNDS"
+    make_jobs load "$PLUGIN" "$LOAD_ROUNDS"
     # The summary pools every round it finds, so the later rounds of an earlier
     # invocation must not stay behind; rounds run at once, so clear them first.
     for graphs in $GRAPHS; do
@@ -504,27 +490,6 @@ case "$MODE" in
         done
       done
     done
-    run_jobs
-    ;;
-  tight)
-    # Calibration at the size's usual utilization, the same full-step workload.
-    make_jobs peak "off on" 0
-    run_jobs
-    for size in $SIZES; do
-      for capture in $CAPTURE; do
-        for case in $CASES; do
-          base="$size-$case"
-          small=""
-          [ "$capture" = small ] && small="-small"
-          margin=()
-          [ -n "$TIGHT_MARGIN_MIB" ] && margin=(--margin-mib "$TIGHT_MARGIN_MIB")
-          python3 "$E2E/memory_budget.py" plan "$OUTDIR/$base-off$small-peak$SUFFIX.json" \
-            "$OUTDIR/$base-on$small-peak$SUFFIX.json" --out "$(plan_file "$size" "$case" "$capture")" \
-            ${margin[@]+"${margin[@]}"} || echo "no tight runs for $base$small"
-        done
-      done
-    done
-    make_jobs peak "$PLUGIN" 1
     run_jobs
     ;;
 esac

@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import math
 import os
 import sys
 from pathlib import Path
@@ -41,7 +40,6 @@ memory_budget = run_llm.memory_budget  # run_llm's own: scripts/vllm_e2e is on s
 workloads = run_llm.workloads
 summarize_load = summarize.summarize_load
 summarize_table = summarize.summarize_table
-summarize_tight = summarize.summarize_tight
 
 
 @pytest.fixture(autouse=True)
@@ -461,6 +459,8 @@ def test_summarize_table_checks_and_carry_over(tmp_path, capsys):
             tokens=[[5, 6, 0], [8, 9]],
         ),
     ]
+    for r in runs[:2]:
+        r["commit"] = "abc1234"  # the eagle runs name no commit: code older than the record
     out = tmp_path / "out"
     out.mkdir()
     for r in runs:
@@ -492,10 +492,13 @@ def test_summarize_table_checks_and_carry_over(tmp_path, capsys):
         "| +13.9 % (+5.0) / +0.0 % (+0.0) | 32.0 / 4.0 | -27.0 / 0.0 |" in md
     )
     assert "target 30.0 / 30.0" in md and "| PASS |" in md
+    assert base["commit"] == "abc1234" and eagle["commit"] is None
+    assert ", abc1234 | PASS |" in md
     printed = capsys.readouterr().out
     assert "SUMMARY: all runs ok=True (4/4), rows PASS=1/2" in printed
 
-    # A second invocation for another size carries the tiny rows over.
+    # A second invocation for another size carries over the tiny row that names
+    # its commit, and drops the one that does not.
     out2 = tmp_path / "out2"
     out2.mkdir()
     for plugin in ("off", "on"):
@@ -518,11 +521,8 @@ def test_summarize_table_checks_and_carry_over(tmp_path, capsys):
     )
     assert rc == 0  # only this invocation's rows decide
     doc2 = json.loads((res2 / "vllm_graph_memory.json").read_text())
-    assert [(r["size"], r["case"]) for r in doc2["rows"]] == [
-        ("tiny", "base"),
-        ("tiny", "eagle"),
-        ("1b", "base"),
-    ]
+    assert [(r["size"], r["case"]) for r in doc2["rows"]] == [("tiny", "base"), ("1b", "base")]
+    assert {(r["size"], r["case"]) for r in doc2["runs"]} == {("tiny", "base"), ("1b", "base")}
     assert list(doc2["sizes"]) == ["tiny", "1b"]
     assert "| 1b | default | base |" in (res2 / "vllm_graph_memory.md").read_text()
 
@@ -543,7 +543,7 @@ def test_summarize_counts_skipped_runs_as_not_run(tmp_path, capsys):
     assert "skipped for lack of time: tiny-ngram-off tiny-ngram-on" in capsys.readouterr().out
 
 
-# ---- budget figures, tight plan, workloads ---------------------------------------
+# ---- budget figures, workloads ---------------------------------------------------
 
 
 def test_wrappers_record_the_workers_budget_and_the_step():
@@ -567,9 +567,8 @@ def test_wrappers_record_the_workers_budget_and_the_step():
     # Held since the snapshot: retained + KV + actual; the limit at rest is
     # requested - headroom = KV + estimate: over by retained + actual - estimate.
     assert memory_budget.over_budget_bytes(m) == (32 + 36 - 41) * MiB
-    assert memory_budget.step_bytes(m) == 150 * MiB
+    assert m["free_at_rest_bytes"] - m["free_after_step_bytes"] == 150 * MiB
     assert m["step_reserved_peak_bytes"] == 150 * MiB
-    assert memory_budget.need_bytes(m) == (150 - 100 + 27) * MiB
     assert r["tokens"] == [[1, 2]] and r["spec"]["acceptance_rate"] == 0.4
     assert r["sampled_with"] == [None]  # greedy
     peak = fake_run(
@@ -600,115 +599,6 @@ def test_no_estimate_switch_leaves_the_graphs_out_of_the_budget(monkeypatch):
 def test_worker_budget_is_empty_without_a_profile():
     assert memory_budget.worker_budget(SimpleNamespace(), True) == {}
     assert memory_budget.over_budget_bytes({"init_free_bytes": 1}) is None
-    assert memory_budget.need_bytes(None) is None
-
-
-@pytest.mark.parametrize(
-    ("run", "kind"),
-    [
-        ({"ok": True}, "ran"),
-        (
-            {"stage": "init", "error": "ValueError('Free memory on device cuda:0 (1/2 GiB)')"},
-            "refused at start-up: free memory below the limit",
-        ),
-        (
-            {"stage": "generate", "error": "OutOfMemoryError('CUDA out of memory. Tried')"},
-            "out of memory in the first full step",
-        ),
-        (
-            {
-                "stage": "init",
-                "error": "torch.OutOfMemoryError()",
-                "mem": {"kv_cache_bytes": 1, "capture_started": True},
-            },
-            "out of memory in the production capture",
-        ),
-        (
-            {"stage": "init", "traceback": "CUDA out of memory", "mem": {"kv_cache_bytes": 1}},
-            "out of memory after KV sizing, before the capture",
-        ),
-        ({"stage": "init", "error": "out of memory"}, "out of memory before KV sizing"),
-        ({"stage": "generate", "error": "KeyError('x')"}, "failed at stage generate"),
-    ],
-)
-def test_failure_kind_names_where_a_run_stopped(run, kind):
-    assert memory_budget.failure_kind(run) == kind
-
-
-def _calibration(step: int = 150 * MiB) -> dict[str, dict]:
-    """off: upstream estimate 41, 32 left taken, 36 captured (27 over budget);
-    on: the plugin's budget 34 = 30 graphs + 4 one-time (0 over)."""
-    off = fake_run(
-        "tiny",
-        "base",
-        "off",
-        est=41 * MiB,
-        retained=32 * MiB,
-        actual=36 * MiB,
-        kv=7 << 30,
-        tokens=[[1]],
-        step=step,
-        workload="peak",
-    )
-    on = fake_run(
-        "tiny",
-        "base",
-        "on",
-        est=34 * MiB,
-        retained=4 * MiB,
-        actual=30 * MiB,
-        kv=7 << 30,
-        tokens=[[1]],
-        step=step,
-        workload="peak",
-        report=_plugin_report({"target": 30 * MiB}, {"target": 30 * MiB}, one_time=4 * MiB),
-    )
-    return {"off": off, "on": on}
-
-
-def test_tight_plan_puts_the_limit_between_the_needs(tmp_path, capsys):
-    runs = _calibration()
-    mems = {s: r["mem"] for s, r in runs.items()}
-    plan = memory_budget.tight_plan(mems)
-    assert plan["need_bytes"] == {"off": 77 * MiB, "on": 50 * MiB}
-    assert plan["over_budget_bytes"] == {"off": 27 * MiB, "on": 0}
-    assert plan["margin_bytes"] == (77 + 50) * MiB // 2
-    requested = math.ceil(FakeCuda.total * plan["gpu_memory_utilization"])
-    assert abs(requested - (mems["off"]["init_free_bytes"] - plan["margin_bytes"])) <= 1
-    assert memory_budget.tight_plan(mems, 5 * MiB)["margin_bytes"] == 5 * MiB
-    # Off needing no more than on cannot be told apart by running out of memory.
-    same = memory_budget.tight_plan({"off": mems["on"], "on": mems["on"]})
-    assert same["margin_bytes"] == 50 * MiB + memory_budget.SEPARATION_MARGIN_BYTES
-    assert "both should fit" in same["reason"]
-    # A step well inside the headroom: off needs no margin, and none can be below 0.
-    roomy = _calibration(step=50 * MiB)
-    plan0 = memory_budget.tight_plan({s: r["mem"] for s, r in roomy.items()})
-    assert plan0["need_bytes"] == {"off": -23 * MiB, "on": -50 * MiB}
-    assert plan0["margin_bytes"] == 0 and "off needs no margin" in plan0["reason"]
-    split = _calibration(step=80 * MiB)  # needs: off +7, on -20 MiB; halfway is below 0
-    plan_split = memory_budget.tight_plan({s: r["mem"] for s, r in split.items()})
-    assert plan_split["margin_bytes"] == 0 and plan_split["reason"].startswith("halfway")
-    with pytest.raises(ValueError, match="calibration run 'on' lacks budget figures"):
-        memory_budget.tight_plan({"off": mems["off"], "on": {}})
-
-    for switch, r in runs.items():
-        (tmp_path / f"{switch}.json").write_text(json.dumps(r))
-    out = tmp_path / "plan.json"
-    rc = memory_budget._main(
-        ["plan", str(tmp_path / "off.json"), str(tmp_path / "on.json"), "--out", str(out)]
-    )
-    assert rc == 0
-    written = json.loads(out.read_text())
-    assert written["gpu_memory_utilization"] == plan["gpu_memory_utilization"]
-    assert written["calibration"]["off"].endswith("off.json")
-    assert "tight plan: gpu_memory_utilization=" in capsys.readouterr().out
-    (tmp_path / "on.json").write_text(json.dumps({"mem": {}}))
-    assert (
-        memory_budget._main(
-            ["plan", *(str(tmp_path / f"{s}.json") for s in ("off", "on")), "--out", str(out)]
-        )
-        == 1
-    )
 
 
 def test_peak_and_load_requests():
@@ -827,11 +717,7 @@ def test_capture_size_sets():
         run_llm.capture_sizes(run_llm.SIZES["1b"], "large")
 
 
-def _tight(run: dict, plan: dict, **fields: Any) -> dict:
-    return run | {"tight": plan, "workload": "peak"} | fields
-
-
-def test_summarize_noest_capture_sets_tight_and_load(tmp_path, capsys):
+def test_summarize_noest_capture_sets_peak_and_load(tmp_path, capsys):
     toks = [[5, 6, 7]]
     exact = _plugin_report({"target": 30 * MiB}, {"target": 30 * MiB}, one_time=4 * MiB)
     off_fig = {"est": 41 * MiB, "retained": 32 * MiB, "actual": 36 * MiB, "kv": 7 << 30}
@@ -839,8 +725,8 @@ def test_summarize_noest_capture_sets_tight_and_load(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
 
-    def write(run: dict, name: str) -> None:
-        (out / f"{name}.json").write_text(json.dumps(run))
+    def write(run: dict, name: str, where=out) -> None:
+        (where / f"{name}.json").write_text(json.dumps(run | {"commit": "abc1234"}))
 
     for capture, suffix in (("default", ""), ("small", "-small")):
         write(
@@ -853,19 +739,11 @@ def test_summarize_noest_capture_sets_tight_and_load(tmp_path, capsys):
         write(fake_run("1b", "base", "noest", tokens=toks, **off_fig), "noest")
     finally:
         del os.environ[ESTIMATE_ENV]
-
-    plan = memory_budget.tight_plan({s: r["mem"] for s, r in _calibration().items()})
-    cal = _calibration()
-    write(cal["off"] | {"size": "1b"}, "off-peak")
-    write(cal["on"] | {"size": "1b"}, "on-peak")
-    oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB"
-    write(_tight(cal["off"] | {"size": "1b"}, plan, ok=False, stage="generate", error=oom), "off-t")
-    write(_tight(cal["on"] | {"size": "1b"}, plan), "on-t")
-    capture_died = {"kv_cache_bytes": 1, "capture_started": True}
-    noest = {"ok": False, "stage": "init", "error": oom, "mem": capture_died}
-    write(
-        _tight({"size": "1b", "case": "base", "plugin": {"switch": "noest"}}, plan, **noest), "n-t"
-    )
+    for switch, fig, report in (("off", off_fig, None), ("on", on_fig, exact)):
+        peak = fake_run(
+            "1b", "base", switch, tokens=toks, workload="peak", step=150 * MiB, report=report, **fig
+        )
+        write(peak, f"{switch}-peak")
 
     for switch, rate in (("off", 1000.0), ("on", 1010.0)):
         load = fake_run("1b", "draft", switch, tokens=toks, workload="load", **on_fig)
@@ -876,7 +754,7 @@ def test_summarize_noest_capture_sets_tight_and_load(tmp_path, capsys):
 
     (out / "gpu.txt").write_text("0, NVIDIA H200, 143771 MiB\n1, NVIDIA H200, 143771 MiB\n")
     res = tmp_path / "res"
-    assert summarize.main([str(out), "--results", str(res)]) == 0  # off and noest may stop
+    assert summarize.main([str(out), "--results", str(res)]) == 0
     doc = json.loads((res / "vllm_graph_memory.json").read_text())
     rows = {(r["size"], r["case"]): r for r in doc["rows"]}
     assert list(rows) == [("1b", "base"), ("1b-small", "base"), ("1b-peak", "base")]
@@ -893,21 +771,6 @@ def test_summarize_noest_capture_sets_tight_and_load(tmp_path, capsys):
     assert "| 1b-small | small | base |" in md
     assert "on 0, NVIDIA H200, 143771 MiB; 1, NVIDIA H200, 143771 MiB, torch" in md
 
-    (tight,) = doc["tight_rows"]
-    assert (tight["size"], tight["case"], tight["pass"]) == ("1b", "base", True)
-    outcomes = {s: f["outcome"] for s, f in tight["switches"].items()}
-    assert outcomes == {
-        "off": "out of memory in the first full step",
-        "on": "ran",
-        "noest": "out of memory in the production capture",
-    }
-    assert tight["margin_bytes"] == plan["margin_bytes"]
-    assert "## Tight memory" in md
-    assert (
-        "| out of memory in the first full step | ran | out of memory in the production capture |"
-        in md
-    )
-
     loads = json.loads((res / "vllm_load.json").read_text())["rows"]
     assert [(r["size"], r["case"], r["ratio_on_off_median"], r["pass"]) for r in loads] == [
         ("1b", "draft", 1.01, True)
@@ -915,17 +778,15 @@ def test_summarize_noest_capture_sets_tight_and_load(tmp_path, capsys):
     load_md = (res / "vllm_load.md").read_text()
     assert "| 1b | draft | 4 |" in load_md and "| 1.010 |" in load_md
     printed = capsys.readouterr().out
-    assert "[tight 1b/base] PASS" in printed and "[load 1b/draft] PASS" in printed
+    assert "[load 1b/draft] PASS" in printed
     assert "baseline 1b/off:" in printed and "baseline 1b-peak" not in printed
 
-    # A later invocation of another case of the same size, and of one tight case,
-    # keeps the other rows, each with its date.
+    # A later invocation of another case of the same size keeps the other rows,
+    # each with its date and commit.
     out2 = tmp_path / "out2"
     out2.mkdir()
-    (out2 / "on-t.json").write_text(json.dumps(_tight(cal["on"] | {"size": "tiny"}, plan)))
     for switch, fig in (("off", off_fig), ("on", on_fig)):
-        run = fake_run("1b", "draft", switch, tokens=toks, report=exact, **fig)
-        (out2 / f"{switch}.json").write_text(json.dumps(run))
+        write(fake_run("1b", "draft", switch, tokens=toks, report=exact, **fig), switch, out2)
     res2 = tmp_path / "res2"
     assert (
         summarize.main(
@@ -934,61 +795,14 @@ def test_summarize_noest_capture_sets_tight_and_load(tmp_path, capsys):
         == 0
     )
     doc2 = json.loads((res2 / "vllm_graph_memory.json").read_text())
-    assert [(r["size"], r["case"]) for r in doc2["tight_rows"]] == [
-        ("tiny", "base"),
-        ("1b", "base"),
-    ]
     assert [(r["size"], r["case"]) for r in doc2["rows"]] == [
         ("1b", "base"),
         ("1b", "draft"),
         ("1b-small", "base"),
         ("1b-peak", "base"),
     ]
-    assert all(r["measured_utc"] for r in doc2["rows"])
+    assert all(r["measured_utc"] and r["commit"] == "abc1234" for r in doc2["rows"])
     assert not (res2 / "vllm_load.json").exists()
-
-
-def test_tight_row_fails_when_the_plugin_run_stops():
-    oom = {"ok": False, "stage": "generate", "error": "CUDA out of memory"}
-    runs = {("1b", "base", "off"): {"ok": True}, ("1b", "base", "on"): oom}
-    (row,) = summarize_tight.build_rows(runs)
-    assert not row["pass"]
-    assert row["status"] == "FAIL (on: out of memory in the first full step)"
-    (row,) = summarize_tight.build_rows({("1b", "base", "off"): {"ok": True}})
-    assert row["status"] == "FAIL (on: not run)" and row["switches"]["noest"] is None
-
-
-def test_table_cells_of_the_committed_results():
-    """The rows in bench/results render: those carried over from schema 1 (no noest
-    run, no over-budget figures) with "-" where a figure is missing, those with a
-    noest run with its third figure."""
-    path = os.path.join(os.path.dirname(SCRIPTS), "bench", "results", "vllm_graph_memory.json")
-    with open(path) as f:
-        doc = json.load(f)
-    rows = {(r["size"], r["case"]): r for r in doc["rows"]}
-
-    def cells(size: str, case: str) -> dict[str, str]:
-        row_cells = summarize_table.row_cells(rows[(size, case)])
-        return dict(zip(summarize_table.COLUMNS, row_cells, strict=True))
-
-    carried = cells("tiny-tp2", "base")
-    assert carried["graph estimate upstream (off) / plugin (on) / none (noest) MiB"] == (
-        "43.0 / 38.0"
-    )
-    assert carried["over budget at rest off / on / noest MiB"] == "- / -"
-    assert carried["measured (UTC)"] == "-"
-    with_noest = cells("1b", "base")
-    assert with_noest["graph estimate upstream (off) / plugin (on) / none (noest) MiB"] == (
-        "248.0 / 130.0 / 0.0"
-    )
-    assert with_noest["KV tokens off / on / noest"] == "2,191,728 / 2,191,472 / 2,199,664"
-    assert with_noest["budget - (retained + actual) off / on / noest MiB"] == (
-        "-30.0 / 0.0 / -298.0"
-    )
-    assert with_noest["capture sizes"] == "default (51)" and with_noest["check"] == "PASS"
-    assert "| tiny-tp2 | default | base [rank 0 of 2] |" in summarize_table.markdown(
-        doc | {"tight_rows": []}
-    )
 
 
 def load_run(
@@ -1197,7 +1011,7 @@ exec "$REAL_PYTHON" "$@"
 FAKE_RUN = """
 import argparse, json, os, sys, time
 ap = argparse.ArgumentParser()
-names = ("size", "case", "plugin", "capture", "allocator", "workload", "tight-plan", "out", "tp")
+names = ("size", "case", "plugin", "capture", "allocator", "workload", "gpu-mem-util", "out", "tp")
 for name in names:
     ap.add_argument("--" + name)
 ap.add_argument("--load-round", type=int)
@@ -1207,8 +1021,7 @@ time.sleep(float(os.environ.get("FAKE_RUN_S", "0.5")))
 MiB = 1 << 20
 total, headroom = 80 << 30, 100 * MiB
 init_free = total - (1 << 30)
-plan = json.load(open(args.tight_plan)) if args.tight_plan else None
-util = plan["gpu_memory_utilization"] if plan else 0.5
+util = float(args.gpu_mem_util or 0.5)
 requested = int(total * util)
 over = {"off": 27 * MiB, "noest": 68 * MiB}.get(args.plugin, 0)
 rest = init_free - (requested - headroom + over)
@@ -1224,8 +1037,6 @@ result = {
     "mem": mem, "tokens": [[1, 2]], "argv": sys.argv[1:], "start": start, "end": time.time(),
     "lane": os.environ.get("CUDA_VISIBLE_DEVICES"), "gpu_memory_utilization": util,
 }
-if plan:
-    result["tight"] = plan
 if args.workload == "load":
     result["load_round"] = args.load_round
     result["load"] = {"repeats": [{"generated_tokens": 2, "tokens_per_s": 100.0}]}
@@ -1408,26 +1219,6 @@ def test_device_script_runs_each_load_round_on_one_gpu_and_rounds_at_once(device
     assert refused.returncode == 2 and "LOAD_ROUNDS must be a positive integer" in refused.stdout
 
 
-def test_device_script_tight_mode_plans_from_the_calibration(device_script):
-    run, out = device_script
-    done = run(MODE="tight", SIZES="tiny", CAPTURE="small")
-    runs = _runs(out)
-    calibration = {f"tiny-base-{p}-small-peak" for p in ("off", "on")}
-    tight = {f"tiny-base-{p}-small-tight" for p in ("off", "on", "noest")}
-    assert set(runs) == calibration | tight, done.stdout + done.stderr
-    plan = json.loads((out / "plan-tiny-base-small.json").read_text())
-    # The fake runs need 150 - 100 + 27 (off) and 150 - 100 + 0 (on) MiB.
-    assert plan["margin_bytes"] == (77 + 50) * MiB // 2
-    assert min(r["start"] for n, r in runs.items() if n in tight) >= max(
-        r["end"] for n, r in runs.items() if n in calibration
-    )
-    for name in tight:
-        assert runs[name]["gpu_memory_utilization"] == plan["gpu_memory_utilization"]
-        assert "--workload" in runs[name]["argv"] and "peak" in runs[name]["argv"]
-    assert "tight plan: gpu_memory_utilization=" in done.stdout
-    assert "## Tight memory" in (out / "bench" / "results" / "vllm_graph_memory.md").read_text()
-
-
 def test_device_script_skips_runs_past_the_budget(device_script):
     run, out = device_script
     done = run(SIZES="tiny", CASES="base", BUDGET="40")
@@ -1474,13 +1265,23 @@ def test_device_script_puts_both_allocators_into_one_table(device_script):
     assert refused.returncode == 2 and "unknown ALLOCATOR 'cumem'" in refused.stdout
 
 
-def test_device_script_records_allocator_traces_per_run_at_tp_1(device_script):
+def test_device_script_flags_for_a_full_step_at_a_chosen_limit_and_memory_history(device_script):
     run, out = device_script
-    done = run(SIZES="tiny", CASES="base", PLUGIN="on", ALLOCATOR_TRACE="1")
-    (r,) = _runs(out).values()
-    assert _arg(r, "--allocator-trace") == str(out / "tiny-base-on.traces"), done.stdout
-    refused = run(ALLOCATOR_TRACE="1", TP="2")
-    assert refused.returncode == 2 and "ALLOCATOR_TRACE=1 records at TP=1 only" in refused.stdout
+    done = run(
+        SIZES="tiny", CASES="base", PLUGIN="on", WORKLOAD="peak", UTIL="0.9", MEMORY_HISTORY="1"
+    )
+    runs = _runs(out)
+    assert set(runs) == {"tiny-base-on-peak"}, done.stdout + done.stderr
+    r = runs["tiny-base-on-peak"]
+    assert (_arg(r, "--workload"), _arg(r, "--gpu-mem-util")) == ("peak", "0.9")
+    assert _arg(r, "--memory-history") == str(out / "tiny-base-on-peak.pickle")
+    for bad, message in (
+        ({"WORKLOAD": "tight"}, "unknown WORKLOAD 'tight'"),
+        ({"MEMORY_HISTORY": "1", "TP": "2"}, "MEMORY_HISTORY=1 records at TP=1 only"),
+        ({"MODE": "tight"}, "unknown MODE 'tight'"),
+    ):
+        refused = run(**bad)
+        assert refused.returncode == 2 and message in refused.stdout
 
 
 # ---- tensor parallelism (--tp > 1) ----------------------------------------------

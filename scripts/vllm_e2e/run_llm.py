@@ -4,8 +4,8 @@ graphs, optional speculator, vllm-specgraph plugin on or off. One run per proces
 
     python run_llm.py --size tiny|1b|8b --case base|draft|accept|ngram|eagle \
         --plugin off|on|none|noest [--capture default|small] [--graph-mode full|compile] \
-        [--allocator default|expandable] [--allocator-trace DIR] \
-        [--workload smoke|peak|load [--load-round N]] [--tight-plan PLAN.json] \
+        [--allocator default|expandable] [--memory-history FILE] [--gpu-mem-util U] \
+        [--workload smoke|peak|load [--load-round N]] \
         [--tp N [--custom-all-reduce]] --out result.json
 
 ``--plugin`` (set in the environment before vLLM is imported):
@@ -23,15 +23,15 @@ graphs, optional speculator, vllm-specgraph plugin on or off. One run per proces
 (``PYTORCH_CUDA_ALLOC_CONF`` and ``PYTORCH_ALLOC_CONF`` removed from the
 environment), ``expandable`` sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
 (one growing segment per pool and stream), before torch allocates anything.
-``--allocator-trace DIR``: ``allocator_trace.py`` records the caching
-allocator's history around every ``capture_model`` call (the profile's passes
-and the production capture), for ``allocator_trace.py compare``.
+``--memory-history FILE``: the caching allocator's history over the whole run,
+dumped as torch's memory snapshot (open it at https://pytorch.org/memory_viz);
+TP=1 only.
 ``--workload`` (``workloads.py``): ``smoke`` (6 prompts), ``peak`` (one full
 step, measured) or ``load`` (a few hundred mixed requests, timed);
 ``--load-round``: which of the device script's rounds of a load case this run
 is, recorded as ``load_round``.
-``--tight-plan``: the plan ``memory_budget.py plan`` wrote; its
-``gpu_memory_utilization`` replaces the size's, and the plan is recorded.
+``--gpu-mem-util``: replaces the size's ``gpu_memory_utilization`` (a run at
+the limit: ``peak`` with the utilization that leaves the free memory).
 
 Prompts are token ids (no tokenizer), weights are vLLM's deterministic dummy
 weights (``load_format="dummy"``) re-randomised in place by parameter name, so
@@ -70,8 +70,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-import allocator_trace  # noqa: E402  (this directory, made importable just above)
-import memory_budget  # noqa: E402
+import memory_budget  # noqa: E402  (this directory, made importable just above)
 import workloads  # noqa: E402
 from measure import install_wrappers, plugin_report, wrappers_intact  # noqa: E402
 from workloads import prompts_token_ids, spec_summary  # noqa: E402
@@ -525,13 +524,11 @@ def main() -> int:
     ap.add_argument("--capture", choices=CAPTURE_SETS, default="default")
     ap.add_argument("--allocator", choices=tuple(ALLOCATORS), default="default")
     ap.add_argument(
-        "--allocator-trace",
-        metavar="DIR",
-        help="record the allocator's history around each capture_model call into DIR "
-        "(allocator_trace.py; TP=1 only)",
+        "--memory-history",
+        metavar="FILE",
+        help="dump the allocator's history of the whole run into FILE (TP=1 only)",
     )
     ap.add_argument("--workload", choices=workloads.WORKLOADS, default="smoke")
-    ap.add_argument("--tight-plan", help="memory_budget.py's plan: its utilization is used")
     ap.add_argument("--load-requests", type=int, default=256)
     ap.add_argument("--load-repeats", type=int, default=2)
     ap.add_argument("--load-round", type=int, default=1, help="the load case's round")
@@ -556,8 +553,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.tp < 1:
         ap.error("--tp must be at least 1")
-    if args.allocator_trace and args.tp > 1:
-        ap.error("--allocator-trace records in this process: use it at --tp 1")
+    if args.memory_history and args.tp > 1:
+        ap.error("--memory-history records in this process: use it at --tp 1")
     preset = SIZES[args.size]
     for key in ("model", "draft", "eagle"):
         if getattr(args, key) is None:
@@ -566,11 +563,6 @@ def main() -> int:
         args.dtype = preset["dtype"]
     if args.gpu_mem_util is None:
         args.gpu_mem_util = preset["gpu_memory_utilization"]
-    tight = None
-    if args.tight_plan:
-        with open(args.tight_plan) as f:
-            tight = json.load(f)
-        args.gpu_mem_util = tight["gpu_memory_utilization"]
 
     env = set_env(args.plugin, args.allocator)
     if args.tp > 1 and not args.custom_all_reduce:
@@ -591,8 +583,6 @@ def main() -> int:
         "ok": False,
         "stage": "import",
     }
-    if tight is not None:
-        result["tight"] = tight
     if args.workload == "load":
         # In the result rather than read from the file name: the summary keys
         # every run by its own fields, the names are only the device script's,
@@ -604,6 +594,7 @@ def main() -> int:
     llm = None
 
     def dump() -> None:
+        result["measured_utc"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1, default=str)
 
@@ -638,15 +629,8 @@ def main() -> int:
             mem: dict[str, Any] = {}
             result["mem"] = mem
             installed = install_wrappers(mr2.GPUModelRunner, gpu_worker.Worker, torch.cuda, mem)
-            if args.allocator_trace:
-                # Outside the measuring wrapper: recording costs time, not memory.
-                allocator_trace.install(
-                    mr2.GPUModelRunner,
-                    torch.cuda.memory,
-                    torch.cuda.current_device,
-                    args.allocator_trace,
-                )
-                result["allocator_trace"] = args.allocator_trace
+            if args.memory_history:
+                torch.cuda.memory._record_memory_history(max_entries=4_000_000)
 
         # ---- engine ----------------------------------------------------
         with open(os.path.join(args.model, "config.json")) as f:
@@ -772,6 +756,8 @@ def main() -> int:
         result["ok"] = True
         result["stage"] = "done"
         dump()
+        if args.memory_history:
+            torch.cuda.memory._dump_snapshot(args.memory_history)
         if args.tp > 1:
             result["shutdown_s"] = shutdown_engine(llm)
             dump()

@@ -9,16 +9,14 @@ Reads every OUTDIR/*.json written by run_llm.py (SIZE-CASE-PLUGIN[-...].json,
 and the older CASE.json of runs with plugins off) and the .log next to it. Runs
 named in OUTDIR/skipped.txt (the device script's runs that did not fit its time
 budget) count as not run. Writes DIR/vllm_graph_memory.json and .md (DIR
-defaults to OUTDIR/bench/results): the off/on/noest table of the smoke and peak
-runs, then the tight-memory rows (runs with a ``tight`` plan,
-``summarize_tight.py``); the load runs (``workload`` load; every round of a
-case in one row) go to DIR/vllm_load.json and .md (``summarize_load.py``).
+defaults to OUTDIR/bench/results): the off/on/noest table of the smoke runs;
+the load runs (``workload`` load; every round of a case in one row) go to
+DIR/vllm_load.json and .md (``summarize_load.py``).
 With --previous (an earlier vllm_graph_memory.json; its directory's
 vllm_load.json too), the rows of (size group, case) pairs that this OUTDIR has
-no run for are carried over, each with the date it was measured, so that
-several invocations end in one table. Exits 0 only if every run ran (a tight
-run off or noest may run out of memory: that is what it measures) and every row
-passed.
+no run for are carried over, each with the date and commit it was measured
+on, so that several invocations end in one table. Exits 0 only if every run ran
+and every row passed.
 
 Size groups: the size, ``-small`` for the small capture-size set, ``-tpN`` at
 tensor parallelism N (e.g. ``1b``, ``1b-small``, ``tiny-tp2``).
@@ -48,7 +46,6 @@ if HERE not in sys.path:
 import memory_budget  # noqa: E402  (this directory, made importable just above)
 import summarize_load  # noqa: E402
 import summarize_table  # noqa: E402
-import summarize_tight  # noqa: E402
 from results_files import write_json_and_markdown  # noqa: E402
 
 MiB = 1 << 20
@@ -84,7 +81,6 @@ class Kinds(TypedDict):
     holds a list, in round order."""
 
     memory: dict[Key, Run]
-    tight: dict[Key, Run]
     load: dict[Key, list[Run]]
 
 
@@ -109,8 +105,7 @@ def group_of(
     """The table's size label: the size, then ``-small`` for the small
     capture-size set, ``-compile`` for vLLM's default graph mode (torch.compile,
     FULL_AND_PIECEWISE), ``-expandable`` for runs with the allocator's expandable
-    segments, ``-peak`` for the full-step workload (the tight mode's calibration
-    runs), ``-tpN`` at TP=N > 1."""
+    segments, ``-peak`` for the full-step workload, ``-tpN`` at TP=N > 1."""
     group = size
     if capture not in (None, "default"):
         group += f"-{capture}"
@@ -143,15 +138,13 @@ def group_order(group: str) -> tuple[int, bool, bool, bool, bool, int]:
 
 
 def kind_of(r: Run) -> str:
-    """Which table a run belongs to: ``load``, ``tight`` or ``memory``."""
-    if r.get("workload") == "load":
-        return "load"
-    return "tight" if r.get("tight") else "memory"
+    """Which table a run belongs to: ``load`` or ``memory``."""
+    return "load" if r.get("workload") == "load" else "memory"
 
 
 def load_runs(outdir: str) -> Kinds:
     """Every run result in ``outdir``, by kind."""
-    runs = Kinds(memory={}, tight={}, load={})
+    runs = Kinds(memory={}, load={})
     for path in sorted(glob.glob(os.path.join(outdir, "*.json"))):
         try:
             with open(path) as f:
@@ -167,16 +160,15 @@ def load_runs(outdir: str) -> Kinds:
         switch = plugin.get("switch", "none") if isinstance(plugin, dict) else "none"
         r["_json"] = path
         r["_log"] = path[: -len(".json")] + ".log"
+        # The run's own clock; a result from before runs kept it: the file's time.
         when = datetime.datetime.fromtimestamp(os.path.getmtime(path), datetime.UTC)
-        r["_measured_utc"] = when.strftime("%Y-%m-%d %H:%M")
+        r["_measured_utc"] = r.get("measured_utc") or when.strftime("%Y-%m-%d %H:%M")
         kind = kind_of(r)
-        # Their own tables imply the workload of the load and tight runs.
-        workload = r.get("workload") if kind == "memory" else None
         group = group_of(
             r.get("size", "tiny"),
             r.get("tp"),
             r.get("capture"),
-            workload,
+            r.get("workload") if kind == "memory" else None,  # the load table implies its own
             r.get("allocator"),
             r.get("graph_mode"),
         )
@@ -195,12 +187,10 @@ def key_order(key: Key) -> tuple:
 
 
 def every_run(kinds: Kinds) -> list[tuple[str, Key, Run]]:
-    """(kind, key, run) of every run: the memory, tight and load runs, each by
-    key, a load key's runs in round order."""
-    singles = (("memory", kinds["memory"]), ("tight", kinds["tight"]))
-    out = [
-        (kind, key, these[key]) for kind, these in singles for key in sorted(these, key=key_order)
-    ]
+    """(kind, key, run) of every run: the memory and load runs, each by key, a
+    load key's runs in round order."""
+    memory = kinds["memory"]
+    out = [("memory", key, memory[key]) for key in sorted(memory, key=key_order)]
     load = kinds["load"]
     return out + [("load", key, r) for key in sorted(load, key=key_order) for r in load[key]]
 
@@ -417,6 +407,7 @@ def build_row(
             (r["_measured_utc"] for r in (off, on, noest) if r and r.get("_measured_utc")),
             default=None,
         ),
+        "commit": commit_of(off, on, noest),
     }
     noest_budget = 0 if noest is not None else None
     for side, run_, budget in (("off", off, est_off), ("on", on, budget_on)):
@@ -451,6 +442,14 @@ def build_row(
         reasons.append("tokens differ")
     row["status"] = "PASS" if row["pass"] else "FAIL (" + "; ".join(reasons) + ")"
     return row
+
+
+def commit_of(*runs: Run | None) -> str | None:
+    """The plugin commit the runs measured; several joined, none if any run lacks it."""
+    commits = [r.get("commit") for r in runs if r]
+    if not commits or not all(commits):
+        return None
+    return "/".join(dict.fromkeys(commits))
 
 
 def size_meta(size: str, runs: dict[Key, Run], outdir: str) -> dict:
@@ -513,9 +512,9 @@ def compact_run(key: Key, r: Run) -> dict:
         "tp",
         "capture",
         "workload",
-        "tight",
         "load",
         "gpu",
+        "commit",
     )
     out = {"size": key[0], "case": key[1], "plugin": key[2]} | {k: r.get(k) for k in keep if k in r}
     out["measured_utc"] = r.get("_measured_utc")
@@ -711,17 +710,26 @@ def load_rows(runs: dict[Key, list[Run]]) -> list[dict]:
 
 def carry_over(doc: dict, prev: dict, source: str) -> None:
     """Add the rows (and group settings) of ``prev`` whose (size group, case)
-    this invocation has no row for."""
-    for field in ("rows", "tight_rows"):
-        here = {(r["size"], r["case"]) for r in doc[field]}
-        carried = [r for r in prev.get(field) or [] if (r["size"], r["case"]) not in here]
-        doc[field] += carried
-        for r in carried:
-            print(f"carried over from {source}: {field} {r['size']}/{r['case']}")
+    this invocation has no row for, of those that name the plugin commit they
+    measured: a row without one is from code older than the record and goes."""
+    here = {(r["size"], r["case"]) for r in doc["rows"]}
+    carried = [
+        r for r in prev.get("rows") or [] if (r["size"], r["case"]) not in here and r.get("commit")
+    ]
+    doc["rows"] += carried
+    for r in carried:
+        print(f"carried over from {source}: {r['size']}/{r['case']}")
+    kept = {(r["size"], r["case"]) for r in doc["rows"]}
     here_runs = {(r["size"], r["case"]) for r in doc["runs"]}
-    doc["runs"] += [r for r in prev.get("runs") or [] if (r["size"], r["case"]) not in here_runs]
+    doc["runs"] += [
+        r
+        for r in prev.get("runs") or []
+        if (r["size"], r["case"]) not in here_runs and (r["size"], r["case"]) in kept
+    ]
+    groups = {size for size, _ in kept}
     for group, meta in (prev.get("sizes") or {}).items():
-        doc["sizes"].setdefault(group, meta)
+        if group in groups:
+            doc["sizes"].setdefault(group, meta)
 
 
 def row_order(r: dict) -> tuple:
@@ -729,12 +737,9 @@ def row_order(r: dict) -> tuple:
 
 
 def runs_ok(kinds: Kinds, skipped: list[str]) -> bool:
-    """Every run ran, except that a tight run with the plugin off or without an
-    estimate may stop: running out of memory is what it measures."""
-    needed = [
-        r for kind, (_, _, switch), r in every_run(kinds) if kind != "tight" or switch == "on"
-    ]
-    return bool(needed) and not skipped and all(r.get("ok") for r in needed)
+    """Every run ran."""
+    runs = [r for _, _, r in every_run(kinds)]
+    return bool(runs) and not skipped and all(r.get("ok") for r in runs)
 
 
 def print_rows(label: str, rows: list[dict], module: Any, first: int) -> None:
@@ -758,12 +763,7 @@ def graph_memory_doc(kinds: Kinds, outdir: str, skipped: list[str]) -> dict[str,
         },
         "sizes": {s: size_meta(s, runs, outdir) for s in {k[0] for k in runs}},
         "rows": memory_rows(runs),
-        "tight_rows": summarize_tight.build_rows(kinds["tight"]),
-        "runs": [
-            compact_run(k, r)
-            for these in (kinds["memory"], kinds["tight"])
-            for k, r in sorted(these.items())
-        ],
+        "runs": [compact_run(k, r) for k, r in sorted(runs.items())],
         "skipped": skipped,
     }
 
@@ -772,7 +772,7 @@ def write_graph_memory(doc: dict[str, Any], results_dir: str) -> None:
     jpath, mpath = write_json_and_markdown(
         results_dir, RESULTS_NAME, doc, summarize_table.markdown(doc)
     )
-    print(f"wrote {jpath} and {mpath} ({len(doc['rows'])} rows, {len(doc['tight_rows'])} tight)")
+    print(f"wrote {jpath} and {mpath} ({len(doc['rows'])} rows)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -802,11 +802,11 @@ def main(argv: list[str] | None = None) -> int:
         if kind == "load":
             print_run((*key, kind, f"round {summarize_load.round_of(r)}"), r)
         else:
-            print_run(key if kind == "memory" else (*key, kind), r)
+            print_run(key, r)
     spec_eq = compare_tokens(kinds["memory"])
 
     doc = graph_memory_doc(kinds, outdir, skipped)
-    rows, tight_rows = list(doc["rows"]), list(doc["tight_rows"])
+    rows = list(doc["rows"])
     if args.previous and os.path.exists(args.previous):
         with open(args.previous) as f:
             prev = json.load(f)
@@ -814,11 +814,9 @@ def main(argv: list[str] | None = None) -> int:
             carry_over(doc, prev, args.previous)
     doc["sizes"] = dict(sorted(doc["sizes"].items(), key=lambda kv: group_order(kv[0])))
     doc["rows"].sort(key=row_order)
-    doc["tight_rows"].sort(key=row_order)
     print("-" * 72)
     print("plugin off vs on (MiB unless stated)")
     print_rows("", sorted(rows, key=row_order), summarize_table, 3)
-    print_rows("tight ", sorted(tight_rows, key=row_order), summarize_tight, 2)
     write_graph_memory(doc, results_dir)
 
     loads = load_rows(kinds["load"])
@@ -836,7 +834,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped for lack of time: {' '.join(skipped)}")
     ran = runs_ok(kinds, skipped)
     all_runs = [r for _, _, r in every_run(kinds)]
-    mine = rows + tight_rows + loads  # this invocation's rows decide
+    mine = rows + loads  # this invocation's rows decide
     passed = sum(r["pass"] for r in mine)
     print(
         f"SUMMARY: all runs ok={ran} ({sum(bool(r.get('ok')) for r in all_runs)}/"

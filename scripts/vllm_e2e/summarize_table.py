@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The Markdown of ``bench/results/vllm_graph_memory.md``: one row per (size
 group, case) with the plugin off, on and, where it ran, without an estimate
-(``noest``), then the tight-memory section (``summarize_tight.py``).
+(``noest``).
 
 Rows of older invocations (schema 1) lack the newer fields; their cells say "-".
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import summarize_tight
 from results_files import markdown_grid
 
 MiB = 1 << 20
@@ -33,7 +32,7 @@ COLUMNS = (
     "profile / capture s off; on",
     "tokens on = off (noest = off)",
     "per owner est. / actual (on) MiB",
-    "measured (UTC)",
+    "measured (UTC), commit",
     "check",
 )
 
@@ -105,7 +104,7 @@ def row_cells(row: dict) -> list[str]:
         f"{_walls(row, 'off')}; {_walls(row, 'on')}",
         tokens,
         fmt_owners(g("owners_on")),
-        g("measured_utc") or "-",
+        f"{g('measured_utc') or '-'}, {g('commit') or '-'}",
         row["status"],
     ]
 
@@ -189,6 +188,4 @@ def markdown(doc: dict) -> str:
     )
     out.append("")
     out.append(NOTES)
-    out.append("")
-    out += summarize_tight.markdown_lines(doc.get("tight_rows") or [])
-    return "\n".join(out)
+    return "\n".join(out) + "\n"
