@@ -794,7 +794,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(skipped_txt) as f:
             skipped = [line.strip() for line in f if line.strip()]
     print("=" * 72)
-    print("vLLM 0.33.0 end-to-end on the GPU (MRV2, FULL CUDA graphs, Triton attention)")
+    print("vLLM 0.33.0 end-to-end on the GPU (MRV2, Triton attention)")
     print("=" * 72)
     if not any(kinds.values()):
         print(f"no run results in {outdir}")

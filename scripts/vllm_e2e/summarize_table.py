@@ -166,8 +166,10 @@ NOTES = (
 def markdown(doc: dict) -> str:
     out = ["# vLLM 0.33.0 CUDA-graph memory: vllm-specgraph off and on", ""]
     out.append(
-        "Real vLLM 0.33.0 (Model Runner V2, FULL CUDA graphs, Triton attention, dummy "
-        "weights) through `scripts/device-vllm-e2e.sh`; every run in its own process. "
+        "Real vLLM 0.33.0 (Model Runner V2, Triton attention, dummy weights) through "
+        "`scripts/device-vllm-e2e.sh`; every run in its own process. Size groups ending in "
+        "`-compile`: vLLM's default graph mode (torch.compile, FULL_AND_PIECEWISE graphs); "
+        "the others: compilation off, FULL graphs. "
         "Off: the plugin is loaded with `VLLM_SPECGRAPH=0` (patches nothing), so the "
         "estimate is upstream's. On: `VLLM_PLUGINS=specgraph`."
     )
