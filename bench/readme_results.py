@@ -98,12 +98,11 @@ def _summary(memory: dict[str, Any], load: dict[str, Any]) -> str:
     left = [r["retained_off_bytes"] for r in rows if r.get("retained_off_bytes") is not None]
     shares = [r["plugin_share"] for r in load["rows"] if r.get("plugin_share") is not None]
     return (
-        f"Over the full table's {len(rows)} rows, vLLM's estimate missed what its production "
-        "capture took by "
-        f"{min(upstream):+.1f} % to {max(upstream):+.1f} %, and its profile left "
-        f"{min(left) / _MIB:.0f} to {max(left) / _MIB:.0f} MiB taken that its budget does not "
-        f"count; the plugin's estimate was at most {max(plugin):.1f} % off. Serving: the "
-        f"plugin's own code took {min(shares):.3%} to {max(shares):.3%} of a decode step."
+        f"vLLM's estimate missed what production took by {min(upstream):+.1f} % to "
+        f"{max(upstream):+.1f} %, and its profile left {min(left) / _MIB:.0f} to "
+        f"{max(left) / _MIB:.0f} MiB taken that its budget does not count; the plugin's "
+        f"estimate was at most {max(plugin):.1f} % off, and its code took at most "
+        f"{max(shares):.3%} of a decode step."
     )
 
 
