@@ -485,7 +485,7 @@ def test_device_channel_bad_id_or_owner_raises_naming_argument(channel_id, owner
     ("kwargs", "named"),
     [
         ({"name": None}, "name must be a non-empty str, got None"),
-        ({"name": ""}, "name must be a non-empty str, got ''"),
+        ({"name": 3}, "name must be a non-empty str, got 3"),
         ({"create_channel": 3}, "create_channel must be callable, got 3"),
         ({"barrier": "dist.barrier"}, "barrier must be callable, got 'dist.barrier'"),
         ({"synchronize": 0}, "synchronize must be callable, got 0"),
@@ -497,11 +497,18 @@ def test_init_wrong_types_raise_type_error_naming_argument(kwargs, named):
         ChannelPool(**args)
 
 
-@pytest.mark.parametrize("owner", [None, 3, ""])
-def test_capture_bad_owner_raises_type_error_and_changes_nothing(owner):
+def test_init_empty_name_raises_value_error():
+    with pytest.raises(ValueError, match="name must be a non-empty str, got ''"):
+        ChannelPool("", lambda cid, owner: None)
+
+
+@pytest.mark.parametrize(
+    ("owner", "error"), [(None, TypeError), (3, TypeError), (True, TypeError), ("", ValueError)]
+)
+def test_capture_bad_owner_raises_and_changes_nothing(owner, error):
     channel_pool, events = _make_channel_pool()
     with (
-        pytest.raises(TypeError, match="owner must be a non-empty str"),
+        pytest.raises(error, match=f"owner must be a non-empty str, got {owner!r}"),
         channel_pool.capture(owner),
     ):
         pass

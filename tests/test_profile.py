@@ -412,7 +412,7 @@ def test_disposable_graph_pass_thaws_the_heap_after_a_failed_pass(cuda):
     ("kwargs", "message"),
     [
         ({"owner": "target", "capture": None}, "OwnerGraphs.capture must be callable, got None"),
-        ({"owner": "", "capture": print}, "OwnerGraphs.owner must be a non-empty str"),
+        ({"owner": None, "capture": print}, "OwnerGraphs.owner must be a non-empty str"),
         ({"owner": "draft", "capture": print, "release": 3}, "OwnerGraphs.release must be"),
     ],
 )
