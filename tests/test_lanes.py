@@ -1,9 +1,11 @@
 """CPU tests for owner lanes: every rule of ``vllm_specgraph.lanes``."""
 
 import asyncio
+import re
 import threading
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -89,8 +91,8 @@ def test_use_lane_negative_raises_value_error():
         pass
 
 
-def test_use_owner_bad_type_raises_type_error():
-    with pytest.raises(TypeError, match="owner must be"), use_owner(""):
+def test_use_owner_empty_name_raises_value_error():
+    with pytest.raises(ValueError, match="owner must be a non-empty str, got ''"), use_owner(""):
         pass
 
 
@@ -100,8 +102,14 @@ def test_init_negative_lane_raises_value_error():
 
 
 def test_init_no_lanes_raises_value_error():
-    with pytest.raises(ValueError, match="num_lanes must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"owner_lanes maps no owner.*or pass num_lanes"):
         LaneWorkspace("cpu", owner_lanes={})
+
+
+@pytest.mark.parametrize("num_lanes", [0, -1, np.int64(0)])
+def test_init_num_lanes_below_one_raises_vllms_words(num_lanes):
+    with pytest.raises(ValueError, match=rf"^num_lanes must be at least one, got {num_lanes}\.$"):
+        LaneWorkspace("cpu", owner_lanes={}, num_lanes=num_lanes)
 
 
 def test_init_owner_beyond_num_lanes_raises_value_error():
@@ -388,10 +396,57 @@ def test_num_ubatches_none_means_one_like_vllm():
     assert LaneWorkspace("cpu", num_ubatches=None).num_ubatches == 1
 
 
-@pytest.mark.parametrize("owner", [True, False, 1.0, None, ""])
+@pytest.mark.parametrize("owner", [True, False, 1.0, None, b"draft"])
 def test_use_owner_rejects_bool_and_other_types_naming_the_value(owner):
-    with pytest.raises(TypeError, match="owner must be a non-empty str"), use_owner(owner):
+    match = rf"owner must be a non-empty str .*or an int lane, got {re.escape(repr(owner))}"
+    with pytest.raises(TypeError, match=match), use_owner(owner):
         pass
+
+
+@pytest.mark.parametrize("select", [use_owner, use_lane])
+def test_numpy_integer_lane_selects_that_lane_as_a_plain_int(select):
+    ws = LaneWorkspace("cpu")
+    with select(np.int64(1)):
+        assert type(current_owner()) is int and current_owner() == 1
+        ws.get_simultaneous(((4,), torch.float32))
+    assert ws.usage()["draft"].live_bytes > 0 and ws.usage()["target"].live_bytes == 0
+
+
+def test_negative_numpy_lane_raises_like_a_negative_int():
+    with pytest.raises(ValueError, match="lane must be >= 0, got -1"), use_owner(np.int64(-1)):
+        pass
+    with (
+        pytest.raises(ValueError, match="Workspace lane must be non-negative, got -1"),
+        use_lane(np.int64(-1)),
+    ):
+        pass
+
+
+@pytest.mark.parametrize("lane", [True, 1.0, None])
+def test_use_lane_bad_type_names_the_lane(lane):
+    match = rf"lane must be a non-empty str .*or an int lane, got {re.escape(repr(lane))}"
+    with pytest.raises(TypeError, match=match), use_lane(lane):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("owner", "error", "match"),
+    [
+        (None, TypeError, "owner must be a non-empty str .*got None"),
+        (1.5, TypeError, "owner must be a non-empty str .*got 1.5"),
+        (True, TypeError, "owner must be a non-empty str .*got True"),
+        ("", ValueError, "owner must be a non-empty str, got ''"),
+        (-1, ValueError, "lane must be >= 0, got -1"),
+    ],
+)
+def test_lane_of_neither_name_nor_lane_names_the_owner(owner, error, match):
+    with pytest.raises(error, match=match):
+        LaneWorkspace("cpu").lane_of(owner)
+
+
+def test_lane_of_numpy_integer_is_that_lane():
+    ws = LaneWorkspace("cpu")
+    assert ws.lane_of(np.int64(1)) == 1 and type(ws.lane_of(np.int64(1))) is int
 
 
 @pytest.mark.parametrize("shape", [(-1,), (4, -2), (2.5,), (True,)])
@@ -479,11 +534,99 @@ def test_growth_during_capture_refused_naming_caller_nothing_added(monkeypatch, 
         ({"owner_lanes": {1: 0}}, TypeError, "an owner_lanes key must be a non-empty str"),
         ({"num_lanes": "2"}, TypeError, "num_lanes must be an int, got '2'"),
         ({"num_ubatches": 2.0}, TypeError, "num_ubatches must be an int, got 2.0"),
+        ({"num_lanes": True}, TypeError, "num_lanes must be an int, got True"),
+        (
+            {"owner_lanes": {"": 0}},
+            ValueError,
+            "an owner_lanes key must be a non-empty str, got ''",
+        ),
+        ({"owner_lanes": None}, TypeError, "owner_lanes must be a Mapping, got None"),
+        ({"owner_lanes": [("target", 0)]}, TypeError, r"owner_lanes must be a Mapping, got \["),
+        ({"device": None}, TypeError, "device must be a torch.device, .*got None"),
+        ({"device": True}, TypeError, "device must be a torch.device, .*got True"),
+        ({"device": 1.0}, TypeError, "device must be a torch.device, .*got 1.0"),
+        ({"device": "gpu"}, ValueError, "device 'gpu' is not a device torch can use"),
+        ({"device": ""}, ValueError, "device '' is not a device torch can use"),
+        ({"alloc_context": None}, TypeError, "alloc_context must be callable, got None"),
+        ({"ubatch_id": 0}, TypeError, "ubatch_id must be callable, got 0"),
+        ({"is_capturing": False}, TypeError, "is_capturing must be callable, got False"),
     ],
 )
 def test_lane_workspace_bad_argument_type_or_range_names_it(kwargs, error, message):
     with pytest.raises(error, match=message):
-        LaneWorkspace("cpu", **kwargs)
+        LaneWorkspace(**{"device": "cpu"} | kwargs)
+
+
+def test_lane_workspace_numpy_integers_count_as_ints():
+    ws = LaneWorkspace(
+        torch.device("cpu"),
+        num_ubatches=np.int64(2),
+        owner_lanes={"target": np.int64(0), "draft": np.int64(1)},
+        num_lanes=np.int64(3),
+    )
+    assert (ws.num_ubatches, ws.num_lanes, dict(ws.owner_lanes)) == (
+        2,
+        3,
+        {"target": 0, "draft": 1},
+    )
+    assert all(type(v) is int for v in (ws.num_ubatches, ws.num_lanes, *ws.owner_lanes.values()))
+
+
+def _lane_state(ws: LaneWorkspace) -> tuple:
+    return ws.usage(), [(key, tuple(slot.persistent)) for key, slot in ws._slots.items()]
+
+
+@pytest.mark.parametrize(
+    ("request_args", "error", "match"),
+    [
+        ((("k",), 3), TypeError, "factory must be callable, got 3"),
+        (((["k"],), dict), TypeError, r"key must be hashable, got \['k'\] \(list\)"),
+    ],
+)
+def test_get_persistent_resource_bad_request_names_it_and_keeps_nothing(request_args, error, match):
+    ws = LaneWorkspace("cpu")
+    ws.get_persistent_resource("held", dict)
+    before = _lane_state(ws)
+    (key,), factory = request_args
+    with pytest.raises(error, match=match):
+        ws.get_persistent_resource(key, factory)
+    assert _lane_state(ws) == before
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "kwargs", "error", "match"),
+    [
+        ((4,), "float32", {}, TypeError, "dtype must be a dtype, got 'float32'"),
+        ((4,), None, {}, TypeError, "dtype must be a dtype, got None"),
+        (4, torch.float32, {}, TypeError, r"shape must be a sequence of ints, got 4 \(int\)"),
+        (None, torch.float32, {}, TypeError, "shape must be a sequence of ints, got None"),
+        ((2, -1), torch.float32, {}, ValueError, r"shape\[1\] must be >= 0, got -1"),
+        ((True,), torch.float32, {}, TypeError, r"shape\[0\] must be an int, got True"),
+        ((2.0,), torch.float32, {}, TypeError, r"shape\[0\] must be an int, got 2.0"),
+        ((4,), torch.float32, {"zero_init": "no"}, TypeError, "zero_init must be a bool"),
+        ((4,), torch.float32, {"zero_init": 0}, TypeError, "zero_init must be a bool"),
+    ],
+)
+def test_get_persistent_bad_request_names_it_and_keeps_nothing(shape, dtype, kwargs, error, match):
+    ws = LaneWorkspace("cpu")
+    ws.get_persistent("held", (2,), torch.int32)
+    before = _lane_state(ws)
+    with pytest.raises(error, match=match):
+        ws.get_persistent("new", shape, dtype, **kwargs)
+    assert _lane_state(ws) == before
+
+
+def test_get_persistent_existing_key_asked_with_a_non_dtype_names_the_dtype():
+    ws = LaneWorkspace("cpu")
+    ws.get_persistent("held", (2,), torch.int32)
+    with pytest.raises(TypeError, match="dtype must be a dtype, got 'int32'"):
+        ws.get_persistent("held", (2,), "int32")
+
+
+def test_get_persistent_numpy_shape_is_the_same_request_as_an_int_shape():
+    ws = LaneWorkspace("cpu")
+    first = ws.get_persistent("plan", (np.int64(3), 2), torch.int32)
+    assert ws.get_persistent("plan", (3, 2), torch.int32) is first
 
 
 def test_get_simultaneous_ubatch_of_wrong_type_names_it():

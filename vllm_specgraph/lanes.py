@@ -46,7 +46,14 @@ from typing import TypeVar
 
 import torch
 
-from vllm_specgraph._checks import check_instance, check_int, check_str
+from vllm_specgraph._checks import (
+    check_bool,
+    check_callable,
+    check_device,
+    check_instance,
+    check_int,
+    check_str,
+)
 
 __all__ = [
     "ALIGNMENT_BYTES",
@@ -109,14 +116,20 @@ def use_owner(owner: Owner) -> AbstractContextManager[None]:
     """
     if (type(owner) is str and owner) or (type(owner) is int and owner >= 0):
         return _OwnerScope(owner)
-    if isinstance(owner, bool) or not isinstance(owner, str | int) or owner == "":
+    return _OwnerScope(_checked_owner("owner", owner))
+
+
+def _checked_owner(name: str, owner: object) -> Owner:
+    """``owner`` as a name or a plain-int lane (numpy integers are lanes too), else raise."""
+    if isinstance(owner, str):
+        check_str(name, owner, "name an owner, e.g. 'draft'")
+        return owner
+    if isinstance(owner, bool) or not hasattr(type(owner), "__index__"):
         raise TypeError(
-            f"owner must be a non-empty str (e.g. 'draft') or an int lane, got {owner!r} "
+            f"{name} must be a non-empty str (e.g. 'draft') or an int lane, got {owner!r} "
             f"({type(owner).__name__})"
         )
-    if isinstance(owner, int):
-        check_int("lane", owner, 0, _LANES_FIX)
-    return _OwnerScope(owner)
+    return check_int("lane", owner, 0, _LANES_FIX)
 
 
 class _OwnerScope:
@@ -137,9 +150,10 @@ def use_lane(lane: int) -> AbstractContextManager[None]:
     """Select a lane by index rather than by owner name (same rules as :func:`use_owner`)."""
     if type(lane) is int and lane >= 0:
         return _OwnerScope(lane)
-    if type(lane) is int:
+    if not isinstance(lane, bool) and hasattr(type(lane), "__index__") and lane < 0:
+        # vLLM's use_workspace_lane words it so, and its tests match these words.
         raise ValueError(f"Workspace lane must be non-negative, got {lane}; {_LANES_FIX}")
-    return use_owner(lane)
+    return _OwnerScope(_checked_owner("lane", lane))
 
 
 class LaneThread(threading.Thread):
@@ -258,25 +272,39 @@ class LaneWorkspace:
         ubatch_id: Callable[[], int] = lambda: 0,
         is_capturing: Callable[[], bool] | None = None,
     ) -> None:
+        device = check_device("device", device, "pass the device buffers live on, e.g. 'cuda:0'")
         if num_ubatches is None:
             num_ubatches = 1
         # Plain ints from here on (numpy integers are accepted): they key the slots.
         num_ubatches = check_int(
             "num_ubatches", num_ubatches, 1, "dual-batch overlap uses 2, else 1"
         )
+        check_instance("owner_lanes", owner_lanes, Mapping, "map owner names to lanes")
         lanes: dict[str, int] = {}
         for owner, lane in owner_lanes.items():
             check_str("an owner_lanes key", owner, "name owners like 'target' or 'draft'")
             lanes[owner] = check_int(f"owner_lanes[{owner!r}]", lane, 0, _LANES_FIX)
         if num_lanes is None:
-            num_lanes = max(lanes.values(), default=-1) + 1
-        num_lanes = check_int(
-            "num_lanes", num_lanes, 1, "map at least one owner (owner_lanes={'target': 0})"
-        )
+            if not lanes:
+                raise ValueError(
+                    "owner_lanes maps no owner, so no lane is configured; map at least one "
+                    "(owner_lanes={'target': 0}) or pass num_lanes"
+                )
+            num_lanes = max(lanes.values()) + 1
+        try:
+            num_lanes = check_int("num_lanes", num_lanes, 1, "pass the number of lanes, e.g. 2")
+        except ValueError:
+            # vLLM's WorkspaceManager words it so, and its tests match these words.
+            raise ValueError(f"num_lanes must be at least one, got {num_lanes}.") from None
         beyond = {o: lane for o, lane in lanes.items() if lane >= num_lanes}
         if beyond:
             raise ValueError(f"owners {beyond} map past num_lanes={num_lanes}; raise num_lanes")
-        self.device = torch.device(device)
+        callables = {"alloc_context": alloc_context, "ubatch_id": ubatch_id}
+        if is_capturing is not None:
+            callables["is_capturing"] = is_capturing
+        for arg, fn in callables.items():
+            check_callable(arg, fn, f"pass a function of no arguments, or leave {arg} out")
+        self.device = device
         self.num_ubatches = num_ubatches
         self.num_lanes = num_lanes
         self.owner_lanes: Mapping[str, int] = lanes
@@ -301,10 +329,11 @@ class LaneWorkspace:
     def lane_of(self, owner: Owner) -> int:
         """The lane that ``owner`` (a name, or a lane index) runs in.
 
-        Raises RuntimeError for an owner or lane this workspace was not configured with.
+        Raises RuntimeError for an owner or lane this workspace was not configured with,
+        TypeError or ValueError for what is neither a name nor a lane index.
         """
+        owner = _checked_owner("owner", owner)
         if isinstance(owner, int):
-            check_int("lane", owner, 0, _LANES_FIX)
             if owner >= self.num_lanes:
                 raise RuntimeError(
                     f"lane {owner} is not configured: this workspace has {self.num_lanes} "
@@ -434,8 +463,15 @@ class LaneWorkspace:
         :class:`WorkspaceLockedError` naming the caller, owner, lane and ubatch.
         """
         slot, owner, lane, ubatch = self._slot(ubatch)
-        if key in slot.persistent:
-            return slot.persistent[key]
+        try:  # costs nothing unless it raises
+            if key in slot.persistent:
+                return slot.persistent[key]
+        except TypeError:
+            raise TypeError(
+                f"key must be hashable, got {key!r} ({type(key).__name__}); use a str, or a "
+                "tuple of them"
+            ) from None
+        check_callable("factory", factory, "pass a function of no arguments that makes it")
         refusal = self._refusal()
         if refusal:
             raise WorkspaceLockedError(
@@ -465,20 +501,37 @@ class LaneWorkspace:
         as :meth:`get_persistent_resource`; asking for an existing key with
         another shape or dtype raises ValueError.
         """
-        shape = tuple(shape)
-        make = torch.zeros if zero_init else torch.empty
+        try:  # costs nothing unless it raises
+            shape = tuple(shape)
+        except TypeError:
+            raise TypeError(
+                f"shape must be a sequence of ints, got {shape!r} ({type(shape).__name__}); "
+                "pass e.g. (64, 128), or (64,) for one dimension"
+            ) from None
         tensor = self.get_persistent_resource(
             (torch.Tensor, key),
-            lambda: make(shape, dtype=dtype, device=self.device),
+            lambda: self._new_persistent(shape, dtype, zero_init),
             ubatch=ubatch,
         )
         if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            check_instance("dtype", dtype, torch.dtype, "pass a torch dtype, e.g. torch.int32")
             raise ValueError(
                 f"Persistent workspace {key!r} has shape={tuple(tensor.shape)}, "
                 f"dtype={tensor.dtype}; requested shape={shape}, dtype={dtype} "
                 f"(owner={current_owner()!r}, ubatch={ubatch}); use a new key for a new shape"
             )
         return tensor
+
+    def _new_persistent(
+        self, shape: tuple[int, ...], dtype: torch.dtype, zero_init: bool
+    ) -> torch.Tensor:
+        """A new persistent tensor; the request is checked here, once, not at each lookup."""
+        for i, dimension in enumerate(shape):
+            check_int(f"shape[{i}]", dimension, 0, f"pass concrete sizes, got shape={shape}")
+        check_instance("dtype", dtype, torch.dtype, "pass a torch dtype, e.g. torch.int32")
+        check_bool("zero_init", zero_init, "pass True or False")
+        make = torch.zeros if zero_init else torch.empty
+        return make(shape, dtype=dtype, device=self.device)
 
     def _held_bytes(self, lane: int) -> int:
         live_and_persistent = 0
