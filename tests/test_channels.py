@@ -9,6 +9,7 @@ import time
 import weakref
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -473,8 +474,32 @@ def test_device_channel_factory_wrong_types_raise_type_error_naming_argument(
 
 
 @pytest.mark.parametrize(
+    ("device", "error", "match"),
+    [
+        (None, TypeError, "device must be a torch.device, .*got None"),
+        (True, TypeError, "device must be a torch.device, .*got True"),
+        (1.0, TypeError, "device must be a torch.device, .*got 1.0"),
+        ("gpu", ValueError, "device 'gpu' is not a device torch can use"),
+    ],
+)
+def test_device_channel_bad_device_raises_naming_it_when_the_factory_is_made(device, error, match):
+    with pytest.raises(error, match=match):
+        device_channel_factory(16, device)
+    with pytest.raises(error, match=match):
+        DeviceChannel(0, "x", 16, device)
+
+
+def test_device_channel_numpy_integers_count_as_ints():
+    channel = device_channel_factory(np.int64(16), "cpu", num_signal_slots=np.int64(2))(
+        np.int64(3), "draft"
+    )
+    assert type(channel.channel_id) is int and channel.channel_id == 3
+    assert channel.buffer.numel() == 16 and channel.signal.numel() == 2
+
+
+@pytest.mark.parametrize(
     ("channel_id", "owner", "named"),
-    [(-1, "x", "channel_id"), ("0", "x", "channel_id"), (0, 5, "owner")],
+    [(-1, "x", "channel_id"), ("0", "x", "channel_id"), (True, "x", "channel_id"), (0, 5, "owner")],
 )
 def test_device_channel_bad_id_or_owner_raises_naming_argument(channel_id, owner, named):
     with pytest.raises((TypeError, ValueError), match=named):
@@ -547,6 +572,21 @@ def test_checkpoint_channel_pools_single_pool_or_other_objects_raise_type_error(
         checkpoint_channel_pools(channel_pool)
     with pytest.raises(TypeError, match=r"channel_pools\[1\] must be a ChannelPool, got 'tp'"):
         checkpoint_channel_pools([channel_pool, "tp"])
+
+
+@pytest.mark.parametrize("channel_pools", [None, 3, "tp"])
+def test_checkpoint_channel_pools_of_no_iterable_names_it_and_checkpoints_nothing(channel_pools):
+    channel_pool, _ = _make_channel_pool()
+    match = rf"channel_pools must be an iterable of ChannelPool, got {channel_pools!r}"
+    with pytest.raises(TypeError, match=match):
+        checkpoint_channel_pools(channel_pools)
+    assert not channel_pool._live_tokens
+
+
+def test_checkpoint_channel_pools_reads_an_iterator_once():
+    channel_pool, _ = _make_channel_pool()
+    cp = checkpoint_channel_pools(iter([channel_pool, channel_pool]))
+    assert cp.channel_pools == (channel_pool,) and len(cp.checkpoints) == 1
 
 
 def test_capture_and_rollback_in_threads_never_hand_out_a_closed_channel():

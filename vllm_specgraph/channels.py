@@ -29,7 +29,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from vllm_specgraph._checks import check_callable, check_instance, check_str
+from vllm_specgraph._checks import check_callable, check_instance, check_items, check_str
 from vllm_specgraph.device_channel import DeviceChannel, device_channel_factory
 
 __all__ = [
@@ -469,8 +469,9 @@ def checkpoint_channel_pools(channel_pools: Iterable[ChannelPool]) -> ChannelPoo
             f"{channel_pools.name!r}; pass [channel_pool]"
         )
     distinct: dict[int, ChannelPool] = {}
-    for i, channel_pool in enumerate(channel_pools):
-        check_instance(f"channel_pools[{i}]", channel_pool, ChannelPool, "pass ChannelPools only")
+    for channel_pool in check_items(
+        "channel_pools", channel_pools, ChannelPool, "pass a list of ChannelPools"
+    ):
         distinct.setdefault(id(channel_pool), channel_pool)
     ordered = tuple(distinct.values())
     with _locked(ordered):

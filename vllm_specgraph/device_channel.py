@@ -9,14 +9,22 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_specgraph._checks import check_int, check_str
+from vllm_specgraph._checks import check_device, check_int, check_str
 
 __all__ = ["DeviceChannel", "device_channel_factory"]
 
 
-def _check_sizes(nbytes: int, num_signal_slots: int) -> None:
-    check_int("nbytes", nbytes, 1, "pass the channel buffer's size in bytes, e.g. 1 << 20")
-    check_int("num_signal_slots", num_signal_slots, 1, "pass the number of int32 slots, e.g. 64")
+def _checked(
+    nbytes: int, device: torch.device | str | int, num_signal_slots: int
+) -> tuple[int, torch.device, int]:
+    """The sizes as plain ints and the device as a torch.device, else raise naming the argument."""
+    return (
+        check_int("nbytes", nbytes, 1, "pass the channel buffer's size in bytes, e.g. 1 << 20"),
+        check_device("device", device, "pass the channel's device, e.g. 'cuda:0'"),
+        check_int(
+            "num_signal_slots", num_signal_slots, 1, "pass the number of int32 slots, e.g. 64"
+        ),
+    )
 
 
 class DeviceChannel:
@@ -35,9 +43,9 @@ class DeviceChannel:
         device: torch.device | str | int,
         num_signal_slots: int = 64,
     ) -> None:
-        check_int("channel_id", channel_id, 0, "pass the id the channel pool assigned")
+        channel_id = check_int("channel_id", channel_id, 0, "pass the id the channel pool assigned")
         check_str("owner", owner, "name the channel's owner, e.g. 'target'")
-        _check_sizes(nbytes, num_signal_slots)
+        nbytes, device, num_signal_slots = _checked(nbytes, device, num_signal_slots)
         self.channel_id = channel_id
         self.owner = owner
         self._buffer: torch.Tensor | None = torch.zeros(nbytes, dtype=torch.uint8, device=device)
@@ -76,7 +84,7 @@ def device_channel_factory(
     nbytes: int, device: torch.device | str | int, num_signal_slots: int = 64
 ) -> Callable[[int, str], DeviceChannel]:
     """Return a ``create_channel`` for ``ChannelPool`` that makes :class:`DeviceChannel`."""
-    _check_sizes(nbytes, num_signal_slots)
+    nbytes, device, num_signal_slots = _checked(nbytes, device, num_signal_slots)
 
     def create_channel(channel_id: int, owner: str) -> DeviceChannel:
         return DeviceChannel(channel_id, owner, nbytes, device, num_signal_slots)
