@@ -115,3 +115,45 @@ def test_reset_destroys_every_kept_graph(graphs):
     recorder.reset()
     assert recorder.num_graphs == 0
     assert [g.events[-1] for g in made] == [("reset",), ("reset",)]
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        (((0, 7), None), TypeError, "owner must be a non-empty str, got None"),
+        (((0, 7), 1), TypeError, "owner must be a non-empty str, got 1"),
+        (((0, 7), ""), ValueError, "owner must be a non-empty str, got ''"),
+        ((None, "draft"), TypeError, "pool must be a pool handle, a pair of ints, got None"),
+        ((7, "draft"), TypeError, "pool must be a pool handle, a pair of ints, got 7"),
+        (((7,), "draft"), TypeError, r"pool must be a pool handle, a pair of ints, got \(7,\)"),
+        (((0, -1), "draft"), ValueError, r"pool\[1\] must be >= 0, got -1"),
+        (((0, 7), "draft", None), TypeError, "channel_pools must be an iterable of ChannelPool"),
+        (((0, 7), "draft", [1]), TypeError, r"channel_pools\[0\] must be a ChannelPool, got 1"),
+    ],
+)
+def test_recorder_bad_arguments_raise_naming_them_when_made(args, error, match):
+    with pytest.raises(error, match=match):
+        GraphRecorder(*args)
+
+
+def test_recorder_single_channel_pool_is_refused_naming_the_fix():
+    with pytest.raises(TypeError, match=r"channel_pools must be an iterable.*pass a list of"):
+        GraphRecorder((0, 7), "draft", _channel_pool())
+
+
+def test_recorder_takes_numpy_pool_ids_as_plain_ints():
+    import numpy as np
+
+    recorder = GraphRecorder((np.int64(0), np.int64(7)), "draft")
+    assert recorder.pool == (0, 7) and all(type(i) is int for i in recorder.pool)
+
+
+@pytest.mark.parametrize("stream", [3, "side"])
+def test_capture_bad_stream_raises_before_a_graph_is_made(graphs, stream):
+    made, _ = graphs
+    recorder = GraphRecorder((0, 7), "draft", [_channel_pool()])
+    match = rf"stream must be a torch\.cuda\.Stream or None, got {stream!r}"
+    with pytest.raises(TypeError, match=match), recorder.capture(stream):
+        pass
+    assert made == [] and recorder.num_graphs == 0
+    assert recorder.channel_pools[0].num_channels == 0

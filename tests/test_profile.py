@@ -5,6 +5,7 @@ no GPU: the fakes record events so the tests can check *when* each step runs.
 tests/gpu/test_profile_gpu.py checks the real memory behaviour on a GPU.
 """
 
+import re
 from contextlib import contextmanager
 
 import pytest
@@ -421,6 +422,90 @@ def test_owner_graphs_refuses_what_it_cannot_run_when_made(kwargs, message):
 
     with pytest.raises(TypeError, match=message):
         OwnerGraphs(**kwargs)
+
+
+def test_owner_graphs_refuses_an_empty_owner_name():
+    with pytest.raises(ValueError, match=r"OwnerGraphs\.owner must be a non-empty str, got ''"):
+        OwnerGraphs("", print)
+
+
+_TARGET = OwnerGraphs("target", print)
+
+
+def _bad_profile_arguments():
+    lone_pool = ChannelPool("tp", lambda cid, owner: None)
+    return [
+        ({"owners": None}, "owners must be an iterable of OwnerGraphs, got None"),
+        ({"owners": _TARGET}, r"owners must be an iterable of OwnerGraphs, got OwnerGraphs\("),
+        ({"owners": [1]}, r"owners\[0\] must be a OwnerGraphs, got 1"),
+        ({"channel_pools": None}, "channel_pools must be an iterable of ChannelPool, got None"),
+        ({"channel_pools": lone_pool}, "channel_pools must be an iterable of ChannelPool, got <"),
+        ({"channel_pools": ["tp"]}, r"channel_pools\[0\] must be a ChannelPool, got 'tp'"),
+        ({"workspace": "ws"}, "workspace must be a LaneWorkspace, got 'ws'"),
+        ({"redirect_pools": 3}, "redirect_pools must be callable, got 3"),
+    ]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), _bad_profile_arguments())
+def test_profile_graph_memory_bad_argument_types_named_before_any_cuda_call(kwargs, match):
+    # No CUDA fake: an argument refused after the first CUDA call would say "needs CUDA".
+    with pytest.raises(TypeError, match=match):
+        profile_graph_memory(**{"owners": [_TARGET]} | kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), _bad_profile_arguments()[3:])
+def test_disposable_graph_pass_bad_argument_types_named_before_any_cuda_call(kwargs, match):
+    from vllm_specgraph.profile import disposable_graph_pass
+
+    with pytest.raises(TypeError, match=match), disposable_graph_pass(**kwargs):
+        pass
+
+
+def test_profile_graph_memory_reads_owners_given_as_an_iterator_once(cuda):
+    events, _ = cuda
+    report = profile_graph_memory(iter([_owner("target", events, 1)]), warmup_capture=False)
+    assert [o.owner for o in report.owners] == ["target"]
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((None, (0, 1), [], []), "owners must be an iterable of OwnerGraphs, got None"),
+        (([1], (0, 1), [], []), r"owners\[0\] must be a OwnerGraphs, got 1"),
+        (([_TARGET], None, [], []), "pool must be a pool handle, a pair of ints, got None"),
+        (([_TARGET], (0, "1"), [], []), r"pool\[1\] must be an int, got '1'"),
+        (([_TARGET], (0, 1), None, []), "channel_pools must be an iterable of ChannelPool"),
+        (([_TARGET], (0, 1), [], None), "recorders must be a list, got None"),
+        (([_TARGET], (0, 1), [], ()), r"recorders must be a list, got \(\)"),
+    ],
+)
+def test_measure_captures_bad_argument_types_named_before_any_cuda_call(args, match):
+    from vllm_specgraph.profile import measure_captures
+
+    with pytest.raises(TypeError, match=match):
+        measure_captures(*args)
+
+
+@pytest.mark.parametrize("step", [None, 3, "sync"])
+def test_disposable_pass_on_destroy_refuses_what_it_cannot_call_and_keeps_nothing(step):
+    from vllm_specgraph.profile import DisposablePass
+
+    disposable = DisposablePass((0, 1))
+    with pytest.raises(TypeError, match=f"step must be callable, got {step!r}"):
+        disposable.on_destroy(step)
+    assert disposable._destroy_steps == []
+
+
+@pytest.mark.parametrize(
+    ("segment", "error"), [(None, TypeError), ([], TypeError), ({"address": 0}, ValueError)]
+)
+def test_segment_blocks_of_no_segment_names_it(segment, error):
+    from vllm_specgraph.profile import segment_blocks
+
+    with pytest.raises(
+        error, match=f"segment must be a segment dict.*got {re.escape(repr(segment))}"
+    ):
+        segment_blocks(segment)
 
 
 def test_profile_graph_memory_refuses_a_warmup_capture_that_is_no_bool():

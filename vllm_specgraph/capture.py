@@ -12,6 +12,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
+from vllm_specgraph._checks import check_items, check_pool_handle, check_str
 from vllm_specgraph.channels import ChannelPool
 from vllm_specgraph.lanes import use_owner
 
@@ -35,9 +36,12 @@ class GraphRecorder:
     def __init__(
         self, pool: tuple[int, int], owner: str, channel_pools: Sequence[ChannelPool] = ()
     ) -> None:
-        self.pool = pool
+        self.pool = check_pool_handle("pool", pool, "pass torch.cuda.graph_pool_handle()")
+        check_str("owner", owner, "name the lane owner, e.g. 'draft'")
         self.owner = owner
-        self.channel_pools = tuple(channel_pools)
+        self.channel_pools = check_items(
+            "channel_pools", channel_pools, ChannelPool, "pass a list of ChannelPools"
+        )
         self._graphs: list[torch.cuda.CUDAGraph] = []
 
     @property
@@ -59,6 +63,11 @@ class GraphRecorder:
         .. warning:: Tensors the block allocates live in :attr:`pool`; whoever
            keeps them must drop them before the pool can be released.
         """
+        if stream is not None and not isinstance(stream, torch.cuda.Stream):
+            raise TypeError(
+                f"stream must be a torch.cuda.Stream or None, got {stream!r} "
+                f"({type(stream).__name__}); pass the side stream to capture on, or None"
+            )
         graph = torch.cuda.CUDAGraph()
         try:
             with ExitStack() as stack:

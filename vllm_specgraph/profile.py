@@ -38,7 +38,14 @@ from typing import Any
 
 import torch
 
-from vllm_specgraph._checks import check_bool, check_callable, check_str
+from vllm_specgraph._checks import (
+    check_bool,
+    check_callable,
+    check_instance,
+    check_items,
+    check_pool_handle,
+    check_str,
+)
 from vllm_specgraph.capture import GraphRecorder
 from vllm_specgraph.channels import (
     ChannelPool,
@@ -183,9 +190,16 @@ def live_blocks() -> frozenset[tuple[int, int]]:
 
 def segment_blocks(segment: dict[str, Any]) -> frozenset[tuple[int, int]]:
     """``(address, size)`` of the allocated blocks of one of :func:`allocator_segments`."""
+    try:  # costs nothing unless it raises
+        blocks = segment["blocks"]
+    except (TypeError, KeyError) as exc:
+        raise (ValueError if isinstance(exc, KeyError) else TypeError)(
+            f"segment must be a segment dict with 'blocks', as allocator_segments() returns "
+            f"them, got {segment!r} ({type(segment).__name__})"
+        ) from None
     return frozenset(
         (block["address"], block["size"])
-        for block in segment["blocks"]
+        for block in blocks
         if block["state"] == "active_allocated"
     )
 
@@ -242,6 +256,26 @@ def release_capture_stream_workspaces() -> None:
     torch.cuda.current_blas_handle()
 
 
+_OWNERS_FIX = "pass a list of OwnerGraphs, e.g. [OwnerGraphs('target', capture)]"
+_CHANNEL_POOLS_FIX = "pass a list of ChannelPools"
+
+
+def _checked_pass_arguments(
+    channel_pools: Sequence[ChannelPool],
+    workspace: LaneWorkspace | None,
+    redirect_pools: PoolRedirect | None,
+) -> tuple[ChannelPool, ...]:
+    """The channel pools as a tuple, each argument of a pass checked.
+
+    Checks types only and touches nothing, so it runs before any CUDA call.
+    """
+    if workspace is not None:
+        check_instance("workspace", workspace, LaneWorkspace, "pass the LaneWorkspace, or None")
+    if redirect_pools is not None:
+        check_callable("redirect_pools", redirect_pools, "pass a function of the pool, or None")
+    return check_items("channel_pools", channel_pools, ChannelPool, _CHANNEL_POOLS_FIX)
+
+
 def _check_owners(
     owners: Sequence[OwnerGraphs],
     workspace: LaneWorkspace | None,
@@ -273,7 +307,7 @@ class DisposablePass:
     """
 
     def __init__(self, pool: tuple[int, int]) -> None:
-        self.pool = pool
+        self.pool = check_pool_handle("pool", pool, "pass torch.cuda.graph_pool_handle()")
         self._destroy_steps: list[Step] = []
 
     def on_destroy(self, step: Step) -> None:
@@ -281,6 +315,7 @@ class DisposablePass:
 
         Steps run in registration order, every one even if an earlier one fails.
         """
+        check_callable("step", step, "pass a function of no arguments")
         self._destroy_steps.append(step)
 
     def _destroy(self, error: BaseException | None = None) -> None:
@@ -341,6 +376,7 @@ def disposable_graph_pass(
     *Guarantees*: channels, lanes (buffers and lock state) and the redirected
     pools are left as they were found; the heap is left thawed.
     """
+    channel_pools = _checked_pass_arguments(channel_pools, workspace, redirect_pools)
     channels_checkpoint = checkpoint_channel_pools(channel_pools)
     disposable = DisposablePass(torch.cuda.graph_pool_handle())
     with _older_objects_frozen() as thaw:
@@ -400,6 +436,8 @@ def profile_graph_memory(
     sized workspace lanes, eager channels) are production state and stay.
     """
     check_bool("warmup_capture", warmup_capture, "pass True or False")
+    owners = check_items("owners", owners, OwnerGraphs, _OWNERS_FIX)
+    channel_pools = _checked_pass_arguments(channel_pools, workspace, redirect_pools)
     _check_owners(owners, workspace, channel_pools)
     started = time.perf_counter()
     free_initial = settled_free_bytes()
@@ -456,6 +494,10 @@ def measure_captures(
     The profile's step 4, and how production capture is measured, so both
     follow one path. Not legal during capture.
     """
+    owners = check_items("owners", owners, OwnerGraphs, _OWNERS_FIX)
+    channel_pools = check_items("channel_pools", channel_pools, ChannelPool, _CHANNEL_POOLS_FIX)
+    check_pool_handle("pool", pool, "pass torch.cuda.graph_pool_handle()")
+    check_instance("recorders", recorders, list, "pass a list, to which the recorders are added")
     measured = []
     free_prev, reserved_prev = settled_free_bytes(), torch.cuda.memory_reserved()
     for o in owners:
