@@ -117,6 +117,8 @@ def test_default_config_uses_the_named_constants():
         ({"one_shot_max_bytes": True}, TypeError, "one_shot_max_bytes must be an int"),
         ({"two_shot_max_bytes": -4}, ValueError, "two_shot_max_bytes must be >= 0, got -4"),
         ({"two_shot_max_bytes": "1M"}, TypeError, "two_shot_max_bytes must be an int"),
+        ({"channel_bytes": None}, TypeError, "channel_bytes must be an int, got None"),
+        ({"one_shot_max_bytes": None}, TypeError, "one_shot_max_bytes must be an int, got None"),
     ],
 )
 def test_config_bad_field_raises_naming_field_and_value(kwargs, error, match):
@@ -342,6 +344,22 @@ def test_constructor_bad_arguments(group):
         PeerAllReduce(group, "cpu")
     with pytest.raises(TypeError, match="create_channel must be callable"):
         PeerAllReduce(group, "cpu", create_channel=42)
+
+
+@pytest.mark.parametrize(
+    ("device", "error", "match"),
+    [
+        (None, TypeError, "device must be a torch.device, .*got None"),
+        (True, TypeError, "device must be a torch.device, .*got True"),
+        (1.5, TypeError, "device must be a torch.device, .*got 1.5"),
+        ("gpu", ValueError, "device 'gpu' is not a device torch can use"),
+    ],
+)
+def test_constructor_bad_device_raises_naming_it_before_any_collective(group, device, error, match):
+    factory = _Factory()
+    with pytest.raises(error, match=match):
+        PeerAllReduce(group, device, create_channel=factory)
+    assert factory.channels == []
 
 
 def test_close_closes_every_channel(group, symm_calls):

@@ -89,6 +89,27 @@ def test_factory_bad_arguments_raise_naming_the_fix(group):
         symm_mem_channel_factory("tp", 64, _CUDA0)
 
 
+@pytest.mark.parametrize(
+    ("device", "error", "match"),
+    [
+        (None, TypeError, "device must be a torch.device, .*got None"),
+        (True, TypeError, "device must be a torch.device, .*got True"),
+        ("gpu", ValueError, "device 'gpu' is not a device torch can use"),
+    ],
+)
+def test_factory_bad_device_raises_naming_it(group, device, error, match):
+    with pytest.raises(error, match=match):
+        symm_mem_channel_factory(group, 64, device)
+
+
+def test_factory_and_channel_take_numpy_integers_as_ints(group, fake_symm_mem):
+    import numpy as np
+
+    channel = symm_mem_channel_factory(group, np.int64(64), _CUDA0)(np.int64(2), "draft")
+    assert type(channel.channel_id) is int and channel.channel_id == 2
+    assert channel.buffer.shape == (64,)
+
+
 def test_channel_bad_buffer_raises():
     with pytest.raises(ValueError, match=r"1-D uint8 tensor, got torch\.float32"):
         SymmMemChannel(0, "target", torch.zeros(4, dtype=torch.float32), object())
@@ -96,3 +117,7 @@ def test_channel_bad_buffer_raises():
         SymmMemChannel(0, "target", torch.zeros(2, 2, dtype=torch.uint8), object())
     with pytest.raises(TypeError, match="buffer must be a Tensor"):
         SymmMemChannel(0, "target", b"\0" * 4, object())
+    with pytest.raises(TypeError, match="handle must be the rendezvous handle of buffer, got None"):
+        SymmMemChannel(0, "target", torch.zeros(4, dtype=torch.uint8), None)
+    with pytest.raises(ValueError, match="owner must be a non-empty str, got ''"):
+        SymmMemChannel(0, "", torch.zeros(4, dtype=torch.uint8), object())

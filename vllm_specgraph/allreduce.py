@@ -42,7 +42,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from vllm_specgraph._checks import check_callable, check_instance, check_int
+from vllm_specgraph._checks import check_callable, check_device, check_instance, check_int
 from vllm_specgraph.channels import Channel, ChannelPool, stream_is_capturing
 from vllm_specgraph.symm_mem_channel import symm_mem_channel_factory
 
@@ -115,8 +115,9 @@ class AllReduceConfig:
         }
         for name, (minimum, fix) in checks.items():
             value = getattr(self, name)
-            if value is not None:
-                object.__setattr__(self, name, check_int(name, value, minimum, fix))
+            if value is None and name == "two_shot_max_bytes":  # the one field that may be None
+                continue
+            object.__setattr__(self, name, check_int(name, value, minimum, fix))
 
 
 def _refusal(
@@ -201,7 +202,7 @@ class PeerAllReduce:
         check_instance("group", group, dist.ProcessGroup, "pass the torch.distributed group")
         config = AllReduceConfig() if config is None else config
         check_instance("config", config, AllReduceConfig, "pass an AllReduceConfig or None")
-        device = torch.device(device)
+        device = check_device("device", device, "pass this rank's GPU, e.g. 'cuda:0'")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if create_channel is None:

@@ -18,7 +18,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from vllm_specgraph._checks import check_instance, check_int, check_str
+from vllm_specgraph._checks import check_device, check_instance, check_int, check_str
 
 __all__ = ["SymmMemChannel", "symm_mem_channel_factory"]
 
@@ -57,9 +57,15 @@ class SymmMemChannel:
     """
 
     def __init__(self, channel_id: int, owner: str, buffer: torch.Tensor, handle: object) -> None:
-        check_int("channel_id", channel_id, 0, "pass the id the channel pool assigned")
+        channel_id = check_int("channel_id", channel_id, 0, "pass the id the channel pool assigned")
         check_str("owner", owner, "name the channel's owner, e.g. 'target'")
         check_instance("buffer", buffer, torch.Tensor, "pass the symmetric-memory tensor")
+        if handle is None:
+            # None is how a closed channel says its handle is gone.
+            raise TypeError(
+                "handle must be the rendezvous handle of buffer, got None; pass what "
+                "torch.distributed._symmetric_memory.rendezvous(buffer, group_name) returned"
+            )
         if buffer.dtype != torch.uint8 or buffer.dim() != 1:
             raise ValueError(
                 f"buffer must be a 1-D uint8 tensor, got {buffer.dtype} of shape "
@@ -113,7 +119,7 @@ def symm_mem_channel_factory(
     """
     check_instance("group", group, dist.ProcessGroup, "pass the torch.distributed group")
     nbytes = check_int("nbytes", nbytes, 1, "pass the channel buffer's size in bytes, e.g. 1 << 20")
-    device = torch.device(device)
+    device = check_device("device", device, "pass the rank's GPU, e.g. torch.device('cuda', 0)")
     if device.type != "cuda":
         raise ValueError(
             f"symmetric memory needs a CUDA device, got {device}; pass the rank's GPU, "
