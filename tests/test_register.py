@@ -2,6 +2,7 @@
 
 import importlib
 import logging
+import re
 
 import pytest
 
@@ -181,3 +182,52 @@ def test_register_after_a_failed_arm_does_not_report_armed(fresh_plugin, monkeyp
         assert vllm_specgraph._patches is None
         assert workspace.WorkspaceManager is original
         assert model_runner.init_speculator is init_speculator
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error", "match"),
+    [
+        ("enabled", "no", TypeError, "Switches.enabled must be a bool, got 'no'"),
+        ("enabled", 1, TypeError, "Switches.enabled must be a bool, got 1"),
+        ("force", None, TypeError, "Switches.force must be a bool, got None"),
+        (
+            "profile",
+            "foo",
+            ValueError,
+            r"Switches.profile must be one of \['exact', 'extrapolate'\]",
+        ),
+        ("profile", None, TypeError, "Switches.profile must be a str, one of"),
+        ("allreduce", "yes", ValueError, r"Switches.allreduce must be one of \['0', '1', 'auto'\]"),
+        ("allreduce", 1, TypeError, "Switches.allreduce must be a str, one of"),
+    ],
+)
+def test_switches_refuse_a_value_no_variable_could_set(field, value, error, match):
+    with pytest.raises(error, match=match):
+        switches.Switches(**{field: value})
+
+
+@pytest.mark.parametrize(
+    ("environ", "match"),
+    [
+        ([("VLLM_SPECGRAPH", "1")], "environ must be a Mapping, got"),
+        ({"VLLM_SPECGRAPH": 1}, r"VLLM_SPECGRAPH=1 \(int\) is not a str"),
+        (
+            {"VLLM_SPECGRAPH_PROFILE": b"exact"},
+            r"VLLM_SPECGRAPH_PROFILE=b'exact' \(bytes\) is not a str",
+        ),
+    ],
+)
+def test_read_switches_from_no_environment_names_what_is_wrong(environ, match):
+    with pytest.raises(TypeError, match=match):
+        switches.read_switches(environ)
+
+
+@pytest.mark.parametrize("value", ["yes", {"enabled": True}, True])
+def test_set_current_switches_refuses_what_is_no_switches_and_keeps_the_current(monkeypatch, value):
+    current = switches.Switches(force=True)
+    monkeypatch.setattr(switches, "_current", current)
+    with pytest.raises(
+        TypeError, match=f"switches must be a Switches, got {re.escape(repr(value))}"
+    ):
+        switches.set_current_switches(value)
+    assert switches.current_switches() is current

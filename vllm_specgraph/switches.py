@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
+from vllm_specgraph._checks import check_bool, check_choice, check_instance
+
 __all__ = [
     "ALLREDUCE_MODES",
     "BOOLEAN_SPELLINGS",
@@ -59,6 +61,12 @@ class Switches:
     profile: str = "exact"
     allreduce: str = "auto"
 
+    def __post_init__(self) -> None:
+        check_bool("Switches.enabled", self.enabled, "pass True or False")
+        check_bool("Switches.force", self.force, "pass True or False")
+        check_choice("Switches.profile", self.profile, PROFILE_MODES, "see PROFILE_MODES")
+        check_choice("Switches.allreduce", self.allreduce, ALLREDUCE_MODES, "see ALLREDUCE_MODES")
+
 
 V = TypeVar("V")
 
@@ -67,6 +75,11 @@ def _choice(environ: Mapping[str, str], name: str, allowed: Mapping[str, V], def
     raw = environ.get(name)
     if raw is None:
         return default
+    if not isinstance(raw, str):
+        raise TypeError(
+            f"{name}={raw!r} ({type(raw).__name__}) is not a str, as environment values are; "
+            f"use one of {sorted(set(allowed))} (any case), or unset it"
+        )
     value = allowed.get(raw.lower())
     if value is None:
         raise ValueError(
@@ -83,6 +96,7 @@ def read_switches(environ: Mapping[str, str] | None = None) -> Switches:
     value, and the accepted set. Reads nothing else and changes nothing.
     """
     environ = os.environ if environ is None else environ
+    check_instance("environ", environ, Mapping, "pass a mapping of variable names to values")
     on_off = {spelling: "1" if on else "0" for spelling, on in BOOLEAN_SPELLINGS.items()}
     return Switches(
         enabled=_choice(environ, "VLLM_SPECGRAPH", BOOLEAN_SPELLINGS, True),
@@ -98,6 +112,8 @@ _current: Switches | None = None
 def set_current_switches(switches: Switches | None) -> None:
     """Make ``switches`` what :func:`current_switches` returns (None: read the environment)."""
     global _current
+    if switches is not None:
+        check_instance("switches", switches, Switches, "pass read_switches()'s result, or None")
     _current = switches
 
 
