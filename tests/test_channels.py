@@ -244,46 +244,6 @@ def test_rollback_eager_created_before_checkpoint_keeps_it():
     assert channel_pool.current() is eager and channel_pool.channels == (eager,)
 
 
-def test_close_capture_channels_keeps_the_eager_channel_and_voids_checkpoints():
-    channel_pool, events = _make_channel_pool()
-    with channel_pool.capture(owner="target"):
-        pass
-    eager = channel_pool.current()  # made between two captures' channels
-    cp = channel_pool.checkpoint()
-    with channel_pool.capture(owner="draft"):
-        pass
-    events.clear()
-    channel_pool.close_capture_channels()
-    assert events == _expected_close("tp", [2, 0])
-    assert channel_pool.channels == (eager,) and channel_pool.current() is eager
-    with pytest.raises(RuntimeError, match=r"close_capture_channels\(\); take a new"):
-        channel_pool.rollback(cp)  # it counted channels that are gone
-    with channel_pool.capture(owner="target") as fresh:
-        assert fresh.channel_id == 3  # ids are never reused
-    events.clear()
-    channel_pool.close_capture_channels()
-    assert events == _expected_close("tp", [3])
-
-
-def test_close_capture_channels_without_an_eager_channel_closes_all():
-    channel_pool, events = _make_channel_pool()
-    for owner in ("target", "draft"):
-        with channel_pool.capture(owner=owner):
-            pass
-    channel_pool.close_capture_channels()
-    assert channel_pool.num_channels == 0
-    assert events[-len(_expected_close("tp", [1, 0])) :] == _expected_close("tp", [1, 0])
-
-
-def test_close_capture_channels_during_capture_raises_and_changes_nothing():
-    channel_pool, events = _make_channel_pool()
-    with channel_pool.capture(owner="target"):
-        before, num_events = _state(channel_pool), len(events)
-        with pytest.raises(RuntimeError, match="refused"):
-            channel_pool.close_capture_channels()
-        assert _state(channel_pool) == before and len(events) == num_events
-
-
 def test_checkpoint_during_capture_raises_and_changes_nothing():
     channel_pool, events = _make_channel_pool()
     with channel_pool.capture(owner="target"):

@@ -322,10 +322,9 @@ class ChannelPool:
 
         Requires: every graph that references those channels is already destroyed and the
         device synchronized; no capture is active on this pool in any thread; ``cp`` came
-        from this pool and was neither used nor invalidated by an earlier rollback or
-        :meth:`close_capture_channels`. A refused call changes nothing. Guarantees: ``cp``
-        and every checkpoint taken after it become unusable; the pool's lock is held
-        throughout, so no capture starts meanwhile.
+        from this pool and was neither used nor invalidated by an earlier rollback. A refused
+        call changes nothing. Guarantees: ``cp`` and every checkpoint taken after it become
+        unusable; the pool's lock is held throughout, so no capture starts meanwhile.
         """
         check_instance("cp", cp, ChannelCheckpoint, "pass what checkpoint() returned")
         with self._lock:
@@ -336,23 +335,6 @@ class ChannelPool:
                 self._eager = None
             self._live_tokens = {t for t in self._live_tokens if t < cp.token}
             self._close_coordinated(doomed[::-1], "rollback()")
-
-    def close_capture_channels(self) -> None:
-        """Close every channel a capture bound, newest first, in the order of :meth:`rollback`.
-
-        For the moment every graph made through this pool is gone (a runner that drops its
-        graphs to capture them again): the eager channel stays, the next capture gets a
-        fresh channel. Collective: every rank must call it.
-
-        Requires: as for :meth:`rollback`. Guarantees: every checkpoint becomes unusable
-        (the channels it counted are gone); a refused call changes nothing.
-        """
-        with self._lock:
-            self._check_idle("close_capture_channels()")
-            doomed = [ch for ch in self._channels if ch is not self._eager]
-            self._channels = [] if self._eager is None else [self._eager]
-            self._live_tokens.clear()
-            self._close_coordinated(doomed[::-1], "close_capture_channels()")
 
     def close(self) -> None:
         """Close every channel, newest first, in the coordinated order of :meth:`rollback`.
@@ -428,8 +410,7 @@ class ChannelPool:
         if cp.token not in self._live_tokens:
             raise RuntimeError(
                 f"ChannelPool {self._name!r}: checkpoint {cp.token} was already used or "
-                f"invalidated by an earlier rollback or close_capture_channels(); take a new "
-                f"checkpoint()"
+                f"invalidated by an earlier rollback; take a new checkpoint()"
             )
 
     def _close_coordinated(self, newest_first: list[Channel], what: str) -> None:
