@@ -23,6 +23,11 @@ MIB = 1 << 20
 DETAIL_GROUPS = {"small", "peak", "expandable"}
 
 
+def _default_group(group: str) -> bool:
+    parts = group.split("-")
+    return not any(p in DETAIL_GROUPS or p.startswith("util") for p in parts)
+
+
 def main(path: str, sizes: list[str]) -> str:
     import matplotlib
 
@@ -35,7 +40,7 @@ def main(path: str, sizes: list[str]) -> str:
             for r in json.load(f)["rows"]
             if r["taken_off_bytes"] is not None
             and r["taken_on_bytes"] is not None
-            and (r["size"] in sizes if sizes else not DETAIL_GROUPS & set(r["size"].split("-")))
+            and (r["size"] in sizes if sizes else _default_group(r["size"]))
         ]
     # A row without the time it was measured comes from older code: say so under it.
     labels = [

@@ -34,7 +34,8 @@ _SPECULATORS = {
 }
 
 _DETAIL_GROUPS = ("small", "peak", "expandable")
-"""Size groups left to the full table: other capture sizes, workloads and allocators."""
+"""Size groups left to the full table: other capture sizes, workloads and allocators
+(and runs at a utilization of their own, ``-utilU``)."""
 
 __all__ = ["BEGIN", "END", "block", "main", "with_block"]
 
@@ -55,19 +56,21 @@ def _graphs(group: str) -> str:
 
 def _memory_rows(doc: dict[str, Any]) -> list[str]:
     out = [
-        "| model | graphs | speculator | vLLM's estimate | plugin's estimate | production took | "
-        "over budget at rest, plugin | measured (UTC), commit |",
+        "| model | graphs | speculator | vLLM's estimate | plugin's estimate | production took "
+        "off / on | over budget at rest, plugin | measured (UTC), commit |",
         "|---|---|---|---:|---:|---:|---:|---|",
     ]
     for row in doc["rows"]:
-        if any(part in row["size"].split("-") for part in _DETAIL_GROUPS):
+        parts = row["size"].split("-")
+        if any(p in _DETAIL_GROUPS or p.startswith("util") for p in parts):
             continue
         over = row.get("over_budget_on_bytes")
         out.append(
             f"| {row['size'].split('-')[0]} | {_graphs(row['size'])} | "
             f"{_SPECULATORS.get(row['case'], row['case'])} | "
             f"{_mib(row.get('upstream_estimate_bytes'))} | "
-            f"{_mib(row.get('plugin_estimate_bytes'))} | {_mib(row.get('actual_on_bytes'))} | "
+            f"{_mib(row.get('plugin_estimate_bytes'))} | "
+            f"{_mib(row.get('actual_off_bytes'))} / {_mib(row.get('actual_on_bytes'))} | "
             f"{'-' if over is None else f'{over / _MIB:.1f}'} | {_when(row)} |"
         )
     return out
@@ -76,7 +79,7 @@ def _memory_rows(doc: dict[str, Any]) -> list[str]:
 def _serve_rows(doc: dict[str, Any]) -> list[str]:
     out = [
         "| model | graphs | speculator | requests | ready after s off / on | GPU MiB left "
-        "after SIGINT off / on | tokens off = on | measured (UTC), commit |",
+        "after SIGINT off / on | check | measured (UTC), commit |",
         "|---|---|---|---:|---:|---:|---|---|",
     ]
     for row in doc["rows"]:
@@ -85,7 +88,7 @@ def _serve_rows(doc: dict[str, Any]) -> list[str]:
         graphs = _graphs(row["graph_mode"])
         out.append(
             f"| {row['size']} | {graphs} | {_SPECULATORS.get(row['case'], row['case'])} | "
-            f"{row['requests']} | {ready} | {left} | {row['checks']['tokens equal']} | "
+            f"{row['requests']} | {ready} | {left} | {row['check']} | "
             f"{row['measured_utc']}, {row.get('commit') or '-'} |"
         )
     return out

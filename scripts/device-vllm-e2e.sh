@@ -164,10 +164,14 @@ esac
 case "$WORKLOAD" in
   smoke|peak) ;; *) echo "unknown WORKLOAD '$WORKLOAD' (smoke, peak)"; exit 2 ;;
 esac
+[[ -z "$UTIL" || "$UTIL" =~ ^(0\.[0-9]*[1-9][0-9]*|1|1\.0*)$ ]] \
+  || { echo "UTIL must be a gpu_memory_utilization in (0, 1], got '$UTIL'"; exit 2; }
 if [ "$MODE" = serve ]; then
   [ "$PLUGIN" = "off on" ] || { echo "MODE=serve runs PLUGIN=\"off on\" only, got '$PLUGIN'"; exit 2; }
   [ "$TP" = 1 ] && [ "$CAPTURE" = default ] && [ "$ALLOCATOR" = default ] \
     || { echo "MODE=serve runs TP=1, CAPTURE=default and ALLOCATOR=default only"; exit 2; }
+  [ -z "$UTIL" ] && [ "$MEMORY_HISTORY" = 0 ] \
+    || { echo "MODE=serve takes neither UTIL nor MEMORY_HISTORY"; exit 2; }
 fi
 case "$LOAD_CORES" in
   ''|*[!0-9]*|0) echo "LOAD_CORES must be a positive integer, got '$LOAD_CORES'"; exit 2 ;;
@@ -183,7 +187,10 @@ if [ "$TP" -gt 1 ]; then
   SUFFIX="-tp$TP"
 fi
 RUN_ARGS+=(--allocator "$ALLOCATOR")
-[ -n "$UTIL" ] && RUN_ARGS+=(--gpu-mem-util "$UTIL")
+if [ -n "$UTIL" ]; then
+  RUN_ARGS+=(--gpu-mem-util "$UTIL")
+  SUFFIX="-util$UTIL$SUFFIX"  # its own runs and table group, beside the size's own
+fi
 [ "$ALLOCATOR" = expandable ] && SUFFIX="-expandable$SUFFIX"  # a name ends in its TP part
 
 # Lanes: the GPUs one run uses, as CUDA_VISIBLE_DEVICES lists them (one GPU at
@@ -213,7 +220,10 @@ for i in "${!LANES[@]}"; do
   fi
 done
 # The plugin commit every run measures (its result keeps it): COMMIT, else this checkout's.
-export SPECGRAPH_COMMIT="${COMMIT:-$(git -C "$REPO" rev-parse --short=12 HEAD 2>/dev/null || true)}"
+# A checkout with changes is measured as such: its commit carries -dirty.
+head=$(git -C "$REPO" rev-parse --short=12 HEAD 2>/dev/null || true)
+[ -n "$head" ] && [ -n "$(git -C "$REPO" status --porcelain 2>/dev/null)" ] && head+="-dirty"
+export SPECGRAPH_COMMIT="${COMMIT:-$head}"
 echo "mode $MODE; lanes (CUDA_VISIBLE_DEVICES): ${LANES[*]}; pinned to: ${PIN[*]:-(not pinned)}"
 mkdir -p "$OUTDIR"
 rm -f "$OUTDIR/skipped.txt"

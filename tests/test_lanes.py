@@ -604,7 +604,7 @@ def test_get_persistent_resource_bad_request_names_it_and_keeps_nothing(request_
         ((True,), torch.float32, {}, TypeError, r"shape\[0\] must be an int, got True"),
         ((2.0,), torch.float32, {}, TypeError, r"shape\[0\] must be an int, got 2.0"),
         ((4,), torch.float32, {"zero_init": "no"}, TypeError, "zero_init must be a bool"),
-        ((4,), torch.float32, {"zero_init": 0}, TypeError, "zero_init must be a bool"),
+        ((4,), torch.float32, {"zero_init": None}, TypeError, "zero_init must be a bool"),
     ],
 )
 def test_get_persistent_bad_request_names_it_and_keeps_nothing(shape, dtype, kwargs, error, match):
@@ -614,6 +614,18 @@ def test_get_persistent_bad_request_names_it_and_keeps_nothing(shape, dtype, kwa
     with pytest.raises(error, match=match):
         ws.get_persistent("new", shape, dtype, **kwargs)
     assert _lane_state(ws) == before
+
+
+@pytest.mark.parametrize(
+    ("flag", "zeroed"), [(1, True), (np.int64(1), True), (np.True_, True), (0, False)]
+)
+def test_get_persistent_reads_zero_init_by_truth_like_vllm(monkeypatch, flag, zeroed):
+    def garbage(*args, **kwargs):
+        return torch.full(*args, 7, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", garbage)  # uninitialised memory, made visible
+    made = LaneWorkspace("cpu").get_persistent("z", (3,), torch.int32, zero_init=flag)
+    assert made.tolist() == ([0, 0, 0] if zeroed else [7, 7, 7])
 
 
 def test_get_persistent_existing_key_asked_with_a_non_dtype_names_the_dtype():

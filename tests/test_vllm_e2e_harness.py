@@ -744,6 +744,7 @@ def test_summarize_noest_capture_sets_peak_and_load(tmp_path, capsys):
             "1b", "base", switch, tokens=toks, workload="peak", step=150 * MiB, report=report, **fig
         )
         write(peak, f"{switch}-peak")
+        write(peak | {"utilization": 0.9}, f"{switch}-peak-util0.9")  # a limit of its own
 
     for switch, rate in (("off", 1000.0), ("on", 1010.0)):
         load = fake_run("1b", "draft", switch, tokens=toks, workload="load", **on_fig)
@@ -757,7 +758,12 @@ def test_summarize_noest_capture_sets_peak_and_load(tmp_path, capsys):
     assert summarize.main([str(out), "--results", str(res)]) == 0
     doc = json.loads((res / "vllm_graph_memory.json").read_text())
     rows = {(r["size"], r["case"]): r for r in doc["rows"]}
-    assert list(rows) == [("1b", "base"), ("1b-small", "base"), ("1b-peak", "base")]
+    assert list(rows) == [
+        ("1b", "base"),
+        ("1b-small", "base"),
+        ("1b-peak", "base"),
+        ("1b-peak-util0.9", "base"),
+    ]
     base = rows[("1b", "base")]
     assert base["noest_estimate_applied_bytes"] == 0
     assert base["budget_minus_taken_noest_bytes"] == -(32 + 36) * MiB
@@ -800,6 +806,7 @@ def test_summarize_noest_capture_sets_peak_and_load(tmp_path, capsys):
         ("1b", "draft"),
         ("1b-small", "base"),
         ("1b-peak", "base"),
+        ("1b-peak-util0.9", "base"),
     ]
     assert all(r["measured_utc"] and r["commit"] == "abc1234" for r in doc2["rows"])
     assert not (res2 / "vllm_load.json").exists()
@@ -1271,13 +1278,16 @@ def test_device_script_flags_for_a_full_step_at_a_chosen_limit_and_memory_histor
         SIZES="tiny", CASES="base", PLUGIN="on", WORKLOAD="peak", UTIL="0.9", MEMORY_HISTORY="1"
     )
     runs = _runs(out)
-    assert set(runs) == {"tiny-base-on-peak"}, done.stdout + done.stderr
-    r = runs["tiny-base-on-peak"]
+    assert set(runs) == {"tiny-base-on-peak-util0.9"}, done.stdout + done.stderr
+    r = runs["tiny-base-on-peak-util0.9"]
     assert (_arg(r, "--workload"), _arg(r, "--gpu-mem-util")) == ("peak", "0.9")
-    assert _arg(r, "--memory-history") == str(out / "tiny-base-on-peak.pickle")
+    assert _arg(r, "--memory-history") == str(out / "tiny-base-on-peak-util0.9.pickle")
     for bad, message in (
         ({"WORKLOAD": "tight"}, "unknown WORKLOAD 'tight'"),
+        ({"UTIL": "1.5"}, "UTIL must be a gpu_memory_utilization in (0, 1], got '1.5'"),
+        ({"UTIL": "0"}, "got '0'"),
         ({"MEMORY_HISTORY": "1", "TP": "2"}, "MEMORY_HISTORY=1 records at TP=1 only"),
+        ({"MODE": "serve", "UTIL": "0.9"}, "MODE=serve takes neither UTIL nor MEMORY_HISTORY"),
         ({"MODE": "tight"}, "unknown MODE 'tight'"),
     ):
         refused = run(**bad)

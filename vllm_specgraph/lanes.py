@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextvars
 import itertools
+import numbers
 import operator
 import sys
 import threading
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import TypeVar
 
+import numpy
 import torch
 
 from vllm_specgraph._checks import (
@@ -529,7 +531,9 @@ class LaneWorkspace:
         for i, dimension in enumerate(shape):
             check_int(f"shape[{i}]", dimension, 0, f"pass concrete sizes, got shape={shape}")
         check_instance("dtype", dtype, torch.dtype, "pass a torch dtype, e.g. torch.int32")
-        check_bool("zero_init", zero_init, "pass True or False")
+        # vLLM reads zero_init by truth; numpy's bools and ints read the same way.
+        if not isinstance(zero_init, bool | numbers.Integral | numpy.bool_):
+            check_bool("zero_init", zero_init, "pass True or False")
         make = torch.zeros if zero_init else torch.empty
         return make(shape, dtype=dtype, device=self.device)
 

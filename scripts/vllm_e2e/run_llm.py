@@ -55,6 +55,7 @@ and this script reads each rank's figures back with ``llm.collective_rpc`` into
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import logging
@@ -561,7 +562,8 @@ def main() -> int:
             setattr(args, key, os.path.join(CONFIGS, preset[key]))
     if args.dtype is None:
         args.dtype = preset["dtype"]
-    if args.gpu_mem_util is None:
+    utilization_given = args.gpu_mem_util is not None
+    if not utilization_given:
         args.gpu_mem_util = preset["gpu_memory_utilization"]
 
     env = set_env(args.plugin, args.allocator)
@@ -583,6 +585,8 @@ def main() -> int:
         "ok": False,
         "stage": "import",
     }
+    if utilization_given:  # a run at a limit of its own: a table group of its own
+        result["utilization"] = args.gpu_mem_util
     if args.workload == "load":
         # In the result rather than read from the file name: the summary keys
         # every run by its own fields, the names are only the device script's,
@@ -630,7 +634,9 @@ def main() -> int:
             result["mem"] = mem
             installed = install_wrappers(mr2.GPUModelRunner, gpu_worker.Worker, torch.cuda, mem)
             if args.memory_history:
-                torch.cuda.memory._record_memory_history(max_entries=4_000_000)
+                # Python stacks only: C++ unwinding would slow the timed phases.
+                torch.cuda.memory._record_memory_history(stacks="python", max_entries=4_000_000)
+                result["memory_history"] = args.memory_history
 
         # ---- engine ----------------------------------------------------
         with open(os.path.join(args.model, "config.json")) as f:
@@ -766,6 +772,9 @@ def main() -> int:
         result["error"] = repr(e)
         result["traceback"] = traceback.format_exc()
         traceback.print_exc()
+        if result.get("memory_history"):  # a run that stopped is the one worth reading
+            with contextlib.suppress(Exception):
+                torch.cuda.memory._dump_snapshot(args.memory_history)
         if args.tp > 1:
             if not result.get("ranks"):
                 result["ranks"] = read_rank_files(result["workers_env"][RANK_DIR_ENV])

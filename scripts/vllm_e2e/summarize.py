@@ -101,11 +101,13 @@ def group_of(
     workload: Any = "smoke",
     allocator: Any = "default",
     graph_mode: Any = "full",
+    utilization: Any = None,
 ) -> str:
     """The table's size label: the size, then ``-small`` for the small
     capture-size set, ``-compile`` for vLLM's default graph mode (torch.compile,
     FULL_AND_PIECEWISE), ``-expandable`` for runs with the allocator's expandable
-    segments, ``-peak`` for the full-step workload, ``-tpN`` at TP=N > 1."""
+    segments, ``-peak`` for the full-step workload, ``-utilU`` for a
+    ``gpu_memory_utilization`` the run was given, ``-tpN`` at TP=N > 1."""
     group = size
     if capture not in (None, "default"):
         group += f"-{capture}"
@@ -115,6 +117,8 @@ def group_of(
         group += f"-{allocator}"
     if workload == "peak":
         group += "-peak"
+    if utilization is not None:
+        group += f"-util{utilization}"
     return group if not isinstance(tp, int) or tp <= 1 else f"{group}-tp{tp}"
 
 
@@ -124,13 +128,14 @@ def split_group(group: str) -> tuple[str, int]:
     return size, int(tp) if tp.isdigit() else 1
 
 
-def group_order(group: str) -> tuple[int, bool, bool, bool, bool, int]:
+def group_order(group: str) -> tuple[int, bool, bool, bool, bool, bool, int]:
     label, tp = split_group(group)
     size, *parts = label.split("-")
     return (
         SIZES.index(size) if size in SIZES else 99,
         "compile" in parts,
         "peak" in parts,
+        any(part.startswith("util") for part in parts),
         "small" in parts,
         "expandable" in parts,
         tp,
@@ -171,6 +176,7 @@ def load_runs(outdir: str) -> Kinds:
             r.get("workload") if kind == "memory" else None,  # the load table implies its own
             r.get("allocator"),
             r.get("graph_mode"),
+            r.get("utilization"),
         )
         key = (group, r["case"], switch)
         if kind == "load":
@@ -719,6 +725,9 @@ def carry_over(doc: dict, prev: dict, source: str) -> None:
     doc["rows"] += carried
     for r in carried:
         print(f"carried over from {source}: {r['size']}/{r['case']}")
+    for r in prev.get("rows") or []:
+        if (r["size"], r["case"]) not in here and not r.get("commit"):
+            print(f"dropped from {source}: {r['size']}/{r['case']} (no commit: older code)")
     kept = {(r["size"], r["case"]) for r in doc["rows"]}
     here_runs = {(r["size"], r["case"]) for r in doc["runs"]}
     doc["runs"] += [
