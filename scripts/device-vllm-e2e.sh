@@ -224,6 +224,8 @@ done
 head=$(git -C "$REPO" rev-parse --short=12 HEAD 2>/dev/null || true)
 [ -n "$head" ] && [ -n "$(git -C "$REPO" status --porcelain 2>/dev/null)" ] && head+="-dirty"
 export SPECGRAPH_COMMIT="${COMMIT:-$head}"
+[ -n "$SPECGRAPH_COMMIT" ] \
+  || echo "no plugin commit known (no git here): set COMMIT, or a later table drops these rows"
 echo "mode $MODE; lanes (CUDA_VISIBLE_DEVICES): ${LANES[*]}; pinned to: ${PIN[*]:-(not pinned)}"
 mkdir -p "$OUTDIR"
 rm -f "$OUTDIR/skipped.txt"

@@ -1279,6 +1279,7 @@ def test_device_script_flags_for_a_full_step_at_a_chosen_limit_and_memory_histor
     )
     runs = _runs(out)
     assert set(runs) == {"tiny-base-on-peak-util0.9"}, done.stdout + done.stderr
+    assert "no plugin commit known (no git here): set COMMIT" in done.stdout
     r = runs["tiny-base-on-peak-util0.9"]
     assert (_arg(r, "--workload"), _arg(r, "--gpu-mem-util")) == ("peak", "0.9")
     assert _arg(r, "--memory-history") == str(out / "tiny-base-on-peak-util0.9.pickle")
