@@ -532,7 +532,7 @@ class LaneWorkspace:
             check_int(f"shape[{i}]", dimension, 0, f"pass concrete sizes, got shape={shape}")
         check_instance("dtype", dtype, torch.dtype, "pass a torch dtype, e.g. torch.int32")
         # vLLM reads zero_init by truth; numpy's bools and ints read the same way.
-        if not isinstance(zero_init, bool | numbers.Integral | numpy.bool_):
+        if not isinstance(zero_init, numbers.Integral | numpy.bool_):  # bool is Integral
             check_bool("zero_init", zero_init, "pass True or False")
         make = torch.zeros if zero_init else torch.empty
         return make(shape, dtype=dtype, device=self.device)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-MiB = 1 << 20
 ESTIMATE_ENV = "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS"
 
 __all__ = ["ESTIMATE_ENV", "estimate_applied", "over_budget_bytes", "worker_budget"]

@@ -55,7 +55,6 @@ and this script reads each rank's figures back with ``llm.collective_rpc`` into
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import logging
@@ -762,8 +761,6 @@ def main() -> int:
         result["ok"] = True
         result["stage"] = "done"
         dump()
-        if args.memory_history:
-            torch.cuda.memory._dump_snapshot(args.memory_history)
         if args.tp > 1:
             result["shutdown_s"] = shutdown_engine(llm)
             dump()
@@ -772,9 +769,6 @@ def main() -> int:
         result["error"] = repr(e)
         result["traceback"] = traceback.format_exc()
         traceback.print_exc()
-        if result.get("memory_history"):  # a run that stopped is the one worth reading
-            with contextlib.suppress(Exception):
-                torch.cuda.memory._dump_snapshot(args.memory_history)
         if args.tp > 1:
             if not result.get("ranks"):
                 result["ranks"] = read_rank_files(result["workers_env"][RANK_DIR_ENV])
@@ -786,6 +780,13 @@ def main() -> int:
                     traceback.print_exc()
         dump()
         return 1
+    finally:
+        # Also for a run that stopped: often the one worth reading.
+        if result.get("memory_history"):
+            try:
+                torch.cuda.memory._dump_snapshot(args.memory_history)
+            except Exception:
+                traceback.print_exc()
 
 
 if __name__ == "__main__":

@@ -719,14 +719,13 @@ def carry_over(doc: dict, prev: dict, source: str) -> None:
     this invocation has no row for, of those that name the plugin commit they
     measured: a row without one is from code older than the record and goes."""
     here = {(r["size"], r["case"]) for r in doc["rows"]}
-    carried = [
-        r for r in prev.get("rows") or [] if (r["size"], r["case"]) not in here and r.get("commit")
-    ]
-    doc["rows"] += carried
-    for r in carried:
-        print(f"carried over from {source}: {r['size']}/{r['case']}")
     for r in prev.get("rows") or []:
-        if (r["size"], r["case"]) not in here and not r.get("commit"):
+        if (r["size"], r["case"]) in here:
+            continue
+        if r.get("commit"):
+            doc["rows"].append(r)
+            print(f"carried over from {source}: {r['size']}/{r['case']}")
+        else:
             print(f"dropped from {source}: {r['size']}/{r['case']} (no commit: older code)")
     kept = {(r["size"], r["case"]) for r in doc["rows"]}
     here_runs = {(r["size"], r["case"]) for r in doc["runs"]}
