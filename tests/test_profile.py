@@ -135,9 +135,7 @@ def test_profile_graph_memory_measures_each_owner_and_gives_bytes_back(cuda):
 
 def test_profile_graph_memory_captures_each_owner_in_its_lane_into_one_private_pool(cuda):
     events, _ = cuda
-    profile_graph_memory(
-        [_owner("target", events, 1), _owner("draft", events, 1)], warmup_capture=False
-    )
+    profile_graph_memory([_owner("target", events, 1), _owner("draft", events, 1)])
     begins = [e for e in events if e[0] == "capture_begin"]
     assert [e[2] for e in begins] == ["target", "draft"]
     assert len({e[1] for e in begins}) == 1
@@ -149,38 +147,48 @@ def test_profile_graph_memory_teardown_order(cuda):
     profile_graph_memory(
         [_owner("target", events, 1), _owner("draft", events, 1)],
         channel_pools=[channel_pool],
-        warmup_capture=False,
     )
     names = [e[0] for e in events]
     last_capture = max(i for i, n in enumerate(names) if n == "capture_end")
     tail = names[last_capture + 1 :]
     # graphs destroyed after a sync and before the owners drop their pool tensors;
     # the pool released (empty_cache) before channels close; channels close last.
-    sync_i = tail.index("sync", tail.index("empty_cache"))
     resets = [i for i, n in enumerate(tail) if n == "graph_reset"]
     releases = [i for i, n in enumerate(tail) if n == "release"]
-    assert sync_i < min(resets) and max(resets) < min(releases)
+    assert tail[min(resets) - 1] == "sync" and max(resets) < min(releases)
     closes = [i for i, n in enumerate(tail) if n == "close_imports"]
     assert max(releases) < tail.index("empty_cache", max(releases)) < min(closes)
     assert [e[1] for e in events if e[0] == "close_imports"] == [1, 0]  # newest first
 
 
-def test_profile_graph_memory_warmup_pass_is_disposable_and_unmeasured(cuda):
+def test_profile_graph_memory_measures_once_when_its_pass_leaves_nothing(cuda):
     events, state = cuda
     channel_pool = _channel_pool(events)
     report = profile_graph_memory([_owner("target", events, 2)], channel_pools=[channel_pool])
     names = [e[0] for e in events]
     assert names.index("warm") < names.index("pool")
-    assert names.count("pool") == 2 and names.count("capture_begin") == 4
+    assert names.count("pool") == 1 and names.count("capture_begin") == 2
     assert [o.num_graphs for o in report.owners] == [2]
     assert report.owners[0].driver_bytes == 20 << 20
+    assert report.one_time_bytes == 0
     assert channel_pool.num_channels == 0 and state["free"] == 1000 << 20
 
 
-def test_profile_graph_memory_without_warmup_capture_captures_once(cuda):
+@pytest.mark.parametrize(("another_rank_asks", "passes"), [(False, 1), (True, 2)])
+def test_profile_graph_memory_takes_the_passes_every_rank_agrees_on(
+    cuda, another_rank_asks, passes
+):
     events, _ = cuda
-    profile_graph_memory([_owner("target", events, 2)], warmup_capture=False)
-    assert [e[0] for e in events].count("capture_begin") == 2
+    votes = []
+
+    def agree(flag):
+        votes.append(flag)
+        return flag or another_rank_asks
+
+    report = profile_graph_memory([_owner("target", events, 2)], agree=agree)
+    assert votes == [False], "this rank's pass left nothing: it asks for no second"
+    assert [e[0] for e in events].count("pool") == passes
+    assert report.owners[0].driver_bytes == 20 << 20
 
 
 def test_profile_graph_memory_failing_draft_restores_everything(cuda):
@@ -463,7 +471,7 @@ def test_disposable_graph_pass_bad_argument_types_named_before_any_cuda_call(kwa
 
 def test_profile_graph_memory_reads_owners_given_as_an_iterator_once(cuda):
     events, _ = cuda
-    report = profile_graph_memory(iter([_owner("target", events, 1)]), warmup_capture=False)
+    report = profile_graph_memory(iter([_owner("target", events, 1)]))
     assert [o.owner for o in report.owners] == ["target"]
 
 
@@ -500,7 +508,7 @@ def test_disposable_pass_on_destroy_refuses_what_it_cannot_call_and_keeps_nothin
     ("segment", "error"), [(None, TypeError), ([], TypeError), ({"address": 0}, ValueError)]
 )
 def test_segment_blocks_of_no_segment_names_it(segment, error):
-    from vllm_specgraph.profile import segment_blocks
+    from vllm_specgraph.meter import segment_blocks
 
     with pytest.raises(
         error, match=f"segment must be a segment dict.*got {re.escape(repr(segment))}"
@@ -508,17 +516,18 @@ def test_segment_blocks_of_no_segment_names_it(segment, error):
         segment_blocks(segment)
 
 
-def test_profile_graph_memory_refuses_a_warmup_capture_that_is_no_bool():
+def test_profile_graph_memory_refuses_an_agree_that_is_no_function():
     from vllm_specgraph.profile import OwnerGraphs, profile_graph_memory
 
-    with pytest.raises(TypeError, match="warmup_capture must be a bool, got 'no'"):
-        profile_graph_memory([OwnerGraphs("target", print)], warmup_capture="no")
+    with pytest.raises(TypeError, match="agree must be callable, got 'no'"):
+        profile_graph_memory([OwnerGraphs("target", print)], agree="no")
 
 
 def test_profile_graph_memory_reports_one_time_and_retained_bytes_with_their_signs(cuda):
     """The first capture in the process loads 6 MiB for good (kernel code, say), and
-    every capture leaves 2 MiB behind: the warm-up pass takes both, so the report
-    says 8 MiB one-time; the measured pass leaves its 2 MiB: retained."""
+    every capture leaves 2 MiB behind: the first pass takes both, so the report
+    says 8 MiB one-time and measures again; the second pass leaves its 2 MiB:
+    retained."""
     from vllm_specgraph.profile import OwnerGraphs
 
     _, state = cuda

@@ -379,8 +379,9 @@ def _plugin_report(
     estimate: dict[str, int], actual: dict[str, int] | None, one_time: int = 0
 ) -> dict:
     """The report as the plugin writes it (its own classes, test byte counts)."""
-    from vllm_specgraph.patches._capture_meter import SpecgraphCapture
-    from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory
+    from vllm_specgraph.meter import OwnerMemory
+    from vllm_specgraph.patches._measurements import SpecgraphCapture
+    from vllm_specgraph.profile import GraphMemoryReport
 
     def owners(figures):
         return tuple(OwnerMemory(name, 1, nbytes, 0) for name, nbytes in figures.items())

@@ -1,8 +1,9 @@
 """Graph capture bound to an owner: its pool, its workspace lane, fresh channels.
 
-:class:`GraphRecorder` is the one path through which both the disposable
-profile and production capture graphs, so that what the profile measures is
-what production builds.
+:class:`GraphRecorder` is how the core's owners capture graphs, in the
+profile's passes and in production alike (:func:`~vllm_specgraph.profile.measure_captures`),
+so that what the profile measures is what production builds. In vLLM, vLLM's
+own capture code runs instead, measured by the same meter.
 """
 
 from __future__ import annotations

@@ -7,19 +7,26 @@ made, and hand back the production state exactly as it was.
 
 Order (each step's reason is at the step):
 
-1. settle (gc, sync, empty_cache); run each owner's eager warm-up, then steps
-   3-6 once unmeasured, and report what that took as a one-time process cost;
+1. settle (gc, sync, empty_cache); run each owner's eager warm-up;
 2. baseline at driver level (``mem_get_info``) and allocator level;
 3. checkpoint channels and workspace lanes;
 4. capture each owner's graphs, each inside its own lane, into one private
    pool (redirected into the caller's graph managers if asked); measure per owner;
 5. sync; destroy every graph while the private pool is still owned; restore
    the lanes and production pools; release the pool (empty_cache);
-6. roll back channels; measure what is left.
+6. roll back channels; measure what is left. If the pass left memory taken,
+   it met state the process keeps once loaded (kernel code, say): that is
+   one-time, and steps 3-6 run again with it in place, unless the pass shows
+   that none of it came from a capture (:func:`measure_graph_memory`).
 
 Steps 3-6 run with every older object frozen out of garbage collection, so a
 collection there visits only what the pass made: milliseconds where a full one
 takes about half a second in a served model's process.
+
+:func:`measure_graph_memory` is the one engine: :func:`profile_graph_memory`
+runs it over :class:`OwnerGraphs`, and the vLLM patch over vLLM's own
+``capture_model``; both measure each capture with
+:class:`~vllm_specgraph.meter.CaptureMeter`, as production's capture is measured.
 
 An exception at any step runs the same teardown and re-raises the original.
 """
@@ -28,18 +35,18 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, replace
+from typing import Generic, TypeVar
 
 import torch
 
 from vllm_specgraph._checks import (
-    check_bool,
     check_callable,
     check_instance,
     check_items,
@@ -53,22 +60,31 @@ from vllm_specgraph.channels import (
     rollback_channel_pools,
 )
 from vllm_specgraph.lanes import LaneWorkspace, use_owner
+from vllm_specgraph.meter import (
+    CaptureMeter,
+    OwnerMemory,
+    allocator_segments,
+    describe_owners,
+    live_blocks,
+    settled_free_bytes,
+)
 
 __all__ = [
+    "ONE_TIME_THRESHOLD_BYTES",
     "DisposablePass",
+    "GraphMemoryProfile",
     "GraphMemoryReport",
     "OwnerGraphs",
-    "OwnerMemory",
-    "allocator_segments",
+    "PassReading",
     "current_disposable_pass",
     "disposable_graph_pass",
-    "live_blocks",
     "measure_captures",
+    "measure_graph_memory",
     "profile_graph_memory",
     "release_capture_stream_workspaces",
-    "segment_blocks",
-    "settled_free_bytes",
 ]
+
+_logger = logging.getLogger("vllm_specgraph")
 
 _MIB = 1 << 20
 
@@ -103,16 +119,21 @@ class OwnerGraphs:
 
 
 @dataclass(frozen=True)
-class OwnerMemory:
-    owner: str
-    num_graphs: int
-    driver_bytes: int
-    allocator_bytes: int
-
-
-@dataclass(frozen=True)
 class GraphMemoryReport:
-    """Result of :func:`profile_graph_memory`; all sizes in bytes."""
+    """Result of :func:`measure_graph_memory`; all sizes in bytes.
+
+    Attributes:
+        owners: each owner's graphs, as production will take them.
+        one_time_bytes: what the first pass left with the process, state that
+            production will not take again (kernel code loaded on first launch).
+        transient_peak_bytes: the allocator's reserved peak during the last
+            pass, above its reserved bytes when the profile began.
+        retained_bytes: what the last pass left taken (at most the threshold
+            after one pass; what the second left after two). May be negative.
+        retained_allocator_bytes: of all the profile kept (one-time and
+            retained), the allocator's reserved share.
+        wall_seconds: the profile's time.
+    """
 
     owners: tuple[OwnerMemory, ...]
     one_time_bytes: int
@@ -159,51 +180,6 @@ PoolRedirect = Callable[[tuple[int, int]], AbstractContextManager[object]]
 Step = Callable[[], object]
 
 
-def settled_free_bytes() -> int:
-    """Driver-level free bytes once nothing cached or in flight distorts the reading.
-
-    Collects garbage, synchronises and empties the allocator cache first.
-    Not legal during capture.
-    """
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    return torch.cuda.mem_get_info()[0]
-
-
-def allocator_segments() -> list[dict[str, Any]]:
-    """This device's segments in the caching allocator's snapshot, with their blocks.
-
-    About a millisecond; legal during capture.
-    """
-    device = torch.cuda.current_device()
-    return [s for s in torch.cuda.memory_snapshot() if s.get("device", device) == device]
-
-
-def live_blocks() -> frozenset[tuple[int, int]]:
-    """``(address, size)`` of every allocated block of the caching allocator on this device.
-
-    Two readings tell which blocks were made in between and are still alive.
-    """
-    return frozenset(block for segment in allocator_segments() for block in segment_blocks(segment))
-
-
-def segment_blocks(segment: dict[str, Any]) -> frozenset[tuple[int, int]]:
-    """``(address, size)`` of the allocated blocks of one of :func:`allocator_segments`."""
-    try:  # costs nothing unless it raises
-        blocks = segment["blocks"]
-    except (TypeError, KeyError) as exc:
-        raise (ValueError if isinstance(exc, KeyError) else TypeError)(
-            f"segment must be a segment dict with 'blocks', as allocator_segments() returns "
-            f"them, got {segment!r} ({type(segment).__name__})"
-        ) from None
-    return frozenset(
-        (block["address"], block["size"])
-        for block in blocks
-        if block["state"] == "active_allocated"
-    )
-
-
 @contextmanager
 def _older_objects_frozen() -> Iterator[Callable[[], None]]:
     """Leave every object that exists now out of garbage collection until the block exits.
@@ -241,6 +217,149 @@ def _release_pool(pool: tuple[int, int], thaw: Callable[[], None]) -> None:
         thaw()
         gc.collect()
         torch.cuda.empty_cache()
+
+
+ONE_TIME_THRESHOLD_BYTES = 1 << 20
+"""A pass that leaves more than this taken met process state for the first time."""
+
+
+@dataclass(frozen=True)
+class PassReading:
+    """What one disposable pass measured, as a pass function gives it back.
+
+    A caller may give back a subclass that carries more of what its pass read.
+
+    Attributes:
+        owners: each owner's bytes and graphs in this pass.
+        blocks_before_capture: the allocator's allocated blocks (``live_blocks()``)
+            when the first capture of the pass began.
+        expandable_segments: whether the captures ran with expandable segments,
+            whose packing follows the order of the requests alone.
+    """
+
+    owners: tuple[OwnerMemory, ...]
+    blocks_before_capture: frozenset[tuple[int, int]]
+    expandable_segments: bool = False
+
+
+R = TypeVar("R", bound=PassReading)
+
+
+@dataclass(frozen=True)
+class GraphMemoryProfile(Generic[R]):
+    """What :func:`measure_graph_memory` found: the report, the passes it took, the
+    last pass's reading and the allocator's blocks once that pass had ended."""
+
+    report: GraphMemoryReport
+    passes: int
+    last: R
+    blocks_after: frozenset[tuple[int, int]]
+
+
+def _alone(flag: bool) -> bool:
+    return flag
+
+
+def measure_graph_memory(
+    run_pass: Callable[[int], R | None],
+    *,
+    agree: Callable[[bool], bool] = _alone,
+    log: Callable[[str], None] = _logger.info,
+) -> GraphMemoryProfile[R] | None:
+    """Measure graph memory by one disposable pass, or two where one cannot tell.
+
+    ``run_pass(index)`` (index 0, then 1) runs one disposable pass (steps 3-6:
+    every graph captured into a private pool, measured per owner, destroyed,
+    every byte given back) and gives back its :class:`PassReading`, or None when
+    there is no graph to capture. A pass that leaves more than
+    :data:`ONE_TIME_THRESHOLD_BYTES` taken met state the process keeps once
+    loaded (kernel code, the draft's attention buffers for a profiling KV
+    cache), which production will find in place: that is ``one_time_bytes``.
+    One pass is still enough when its captures ran with expandable segments
+    and what it left is, within the threshold, the owners' bytes outside the
+    allocator plus blocks made before the capture began: no block a capture
+    made was kept, so each owner's allocator bytes are what production will
+    take. Otherwise a second pass measures with that state in place.
+
+    ``agree`` turns this rank's "measure again" into every rank's decision
+    (``functools.partial(on_any_rank, group=cpu_group)``): a pass runs
+    collectives, so ranks must not differ. It is called once per profile, also
+    when the first pass finds nothing to capture. ``log`` gets a line where the
+    profile decides.
+
+    *Requires*: no capture is active; work in flight is what the caller wants
+    measured (the engine synchronises and empties the cache before its baseline).
+    *Guarantees*: what ``run_pass`` guarantees; the engine itself only reads.
+    """
+    check_callable("run_pass", run_pass, "pass a function of the pass index")
+    check_callable("agree", agree, "pass a function of this rank's flag")
+    check_callable("log", log, "pass a function of a line")
+    started = time.perf_counter()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free_start, reserved_start = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
+    blocks_start = live_blocks()
+    torch.cuda.reset_peak_memory_stats()
+    first = run_pass(0)
+    if first is None:
+        agree(False)  # the ranks that captured wait for this vote
+        return None
+    # A pass ends by settling (its teardown empties the cache): plain readings will do.
+    free_after, blocks_after = torch.cuda.mem_get_info()[0], live_blocks()
+    peak = torch.cuda.max_memory_reserved() - reserved_start
+    left = free_start - free_after
+    owners, one_time, retained, one_pass = first.owners, 0, left, True
+    if left > ONE_TIME_THRESHOLD_BYTES:
+        one_time, retained = left, 0
+        outside_allocator = sum(o.driver_bytes - o.allocator_bytes for o in first.owners)
+        in_allocator = torch.cuda.memory_reserved() - reserved_start
+        made_while_capturing = blocks_after - blocks_start - first.blocks_before_capture
+        one_pass = (
+            first.expandable_segments
+            and not made_while_capturing
+            and abs(outside_allocator + in_allocator - left) <= ONE_TIME_THRESHOLD_BYTES
+        )
+        if one_pass:
+            owners = tuple(replace(o, driver_bytes=o.allocator_bytes) for o in first.owners)
+            log(
+                f"the profiling pass left {left / _MIB:.1f} MiB with the process: "
+                f"{outside_allocator / _MIB:.1f} MiB outside the allocator and "
+                f"{in_allocator / _MIB:.1f} MiB of blocks made before capturing; its "
+                f"allocator bytes are the graphs: {describe_owners(owners)}"
+            )
+    last, passes = first, 1
+    if agree(not one_pass):
+        # A block a capture made and kept, or allocator packing that may differ
+        # (without expandable segments, on an H200, a 1B model's first pass
+        # missed production by a segment), here or on another rank: a second
+        # pass finds the one-time state in place, as production will.
+        for_another_rank = " (another rank's pass asks for a second)" if one_pass else ""
+        log(
+            f"the first profiling pass took {describe_owners(first.owners)} and left "
+            f"{one_time / _MIB:.1f} MiB with the process"
+            f"{for_another_rank}; "
+            "measuring again with that state in place"
+        )
+        torch.cuda.reset_peak_memory_stats()
+        again = run_pass(1)
+        if again is None:
+            raise RuntimeError(
+                "the second profiling pass found no graph to capture where the first found "
+                "some; the pass function must capture the same graphs every time"
+            )
+        free_again, blocks_after = torch.cuda.mem_get_info()[0], live_blocks()
+        peak = torch.cuda.max_memory_reserved() - reserved_start
+        last, passes = again, 2
+        owners, retained = again.owners, free_after - free_again
+    report = GraphMemoryReport(
+        owners=owners,
+        one_time_bytes=one_time,
+        transient_peak_bytes=peak,
+        retained_bytes=retained,
+        retained_allocator_bytes=torch.cuda.memory_reserved() - reserved_start,
+        wall_seconds=time.perf_counter() - started,
+    )
+    return GraphMemoryProfile(report, passes, last, blocks_after)
 
 
 def release_capture_stream_workspaces() -> None:
@@ -414,15 +533,16 @@ def profile_graph_memory(
     channel_pools: Sequence[ChannelPool] = (),
     workspace: LaneWorkspace | None = None,
     redirect_pools: PoolRedirect | None = None,
-    warmup_capture: bool = True,
+    agree: Callable[[bool], bool] = _alone,
 ) -> GraphMemoryReport:
     """Measure what each owner's CUDA graphs cost, then give every byte back.
 
-    With ``warmup_capture`` every graph is first captured and destroyed once,
-    unmeasured: the first capture in a process loads kernel modules and driver
-    state that stay with the process, and production capture will not pay them
-    again. They are reported as ``one_time_bytes``; without the warm-up pass
-    (half the time) they inflate the per-owner figures instead.
+    Runs each owner's eager warm-up, then :func:`measure_graph_memory` over
+    disposable passes of every owner's captures: one pass where it leaves
+    nothing taken, two where the first met one-time process state (kernel
+    modules loaded on first capture). ``one_time_bytes`` holds both what the
+    eager warm-up took and what the first pass left. ``agree`` is as there:
+    with several ranks, every rank must take the same passes.
 
     *Requires*: no capture is active; the KV cache is not yet allocated (the
     profile measures free memory, and anything it cannot free is reported as
@@ -435,50 +555,39 @@ def profile_graph_memory(
     (production pools restored). The eager warm-up's effects (loaded kernels,
     sized workspace lanes, eager channels) are production state and stay.
     """
-    check_bool("warmup_capture", warmup_capture, "pass True or False")
     owners = check_items("owners", owners, OwnerGraphs, _OWNERS_FIX)
     channel_pools = _checked_pass_arguments(channel_pools, workspace, redirect_pools)
+    check_callable("agree", agree, "pass a function of this rank's flag")
     _check_owners(owners, workspace, channel_pools)
     started = time.perf_counter()
-    free_initial = settled_free_bytes()
+    free_before_warmup = settled_free_bytes()
     for o in owners:
         if o.warmup is not None:
             with use_owner(o.owner):
                 o.warmup()
-    if warmup_capture:
-        _run_disposable_pass(owners, channel_pools, workspace, redirect_pools)
-    free_base = settled_free_bytes()
-    reserved_base = torch.cuda.memory_reserved()
-    torch.cuda.reset_peak_memory_stats()
-    measured = _run_disposable_pass(owners, channel_pools, workspace, redirect_pools)
-    peak = torch.cuda.max_memory_reserved() - reserved_base
-    return GraphMemoryReport(
-        owners=tuple(measured),
-        one_time_bytes=free_initial - free_base,
-        transient_peak_bytes=peak,
-        retained_bytes=free_base - settled_free_bytes(),
-        retained_allocator_bytes=torch.cuda.memory_reserved() - reserved_base,
+    warmup_bytes = free_before_warmup - settled_free_bytes()
+
+    def run_pass(index: int) -> PassReading:
+        with disposable_graph_pass(
+            channel_pools=channel_pools, workspace=workspace, redirect_pools=redirect_pools
+        ) as disposable:
+            recorders: list[GraphRecorder] = []
+            disposable.on_destroy(lambda: [recorder.reset() for recorder in recorders])
+            for o in owners:
+                if o.release is not None:
+                    disposable.on_destroy(o.release)
+            disposable.on_destroy(recorders.clear)
+            blocks_before_capture = live_blocks()
+            measured = measure_captures(owners, disposable.pool, channel_pools, recorders)
+        return PassReading(measured, blocks_before_capture)
+
+    profile = measure_graph_memory(run_pass, agree=agree)
+    assert profile is not None, "a pass over OwnerGraphs always captures"
+    return replace(
+        profile.report,
+        one_time_bytes=warmup_bytes + profile.report.one_time_bytes,
         wall_seconds=time.perf_counter() - started,
     )
-
-
-def _run_disposable_pass(
-    owners: Sequence[OwnerGraphs],
-    channel_pools: Sequence[ChannelPool],
-    workspace: LaneWorkspace | None,
-    redirect_pools: PoolRedirect | None,
-) -> list[OwnerMemory]:
-    """One pass of steps 3-6: capture every owner into a private pool, then give it back."""
-    with disposable_graph_pass(
-        channel_pools=channel_pools, workspace=workspace, redirect_pools=redirect_pools
-    ) as disposable:
-        recorders: list[GraphRecorder] = []
-        disposable.on_destroy(lambda: [recorder.reset() for recorder in recorders])
-        for o in owners:
-            if o.release is not None:
-                disposable.on_destroy(o.release)
-        disposable.on_destroy(recorders.clear)
-        return measure_captures(owners, disposable.pool, channel_pools, recorders)
 
 
 def measure_captures(
@@ -486,36 +595,32 @@ def measure_captures(
     pool: tuple[int, int],
     channel_pools: Sequence[ChannelPool],
     recorders: list[GraphRecorder],
-) -> list[OwnerMemory]:
+) -> tuple[OwnerMemory, ...]:
     """Capture each owner's graphs into ``pool``, in order, and measure each owner.
 
     Appends one :class:`GraphRecorder` per owner to ``recorders`` as it is made,
     so that after an error midway the caller can still destroy what was captured.
     The profile's step 4, and how production capture is measured, so both
-    follow one path. Not legal during capture.
+    follow one path: a :class:`~vllm_specgraph.meter.CaptureMeter` over the
+    whole call, the first owner getting what the others did not take. Not legal
+    during capture.
     """
     owners = check_items("owners", owners, OwnerGraphs, _OWNERS_FIX)
     channel_pools = check_items("channel_pools", channel_pools, ChannelPool, _CHANNEL_POOLS_FIX)
     check_pool_handle("pool", pool, "pass torch.cuda.graph_pool_handle()")
     check_instance("recorders", recorders, list, "pass a list, to which the recorders are added")
-    measured = []
-    free_prev, reserved_prev = settled_free_bytes(), torch.cuda.memory_reserved()
-    for o in owners:
-        recorders.append(GraphRecorder(pool, o.owner, channel_pools))
-        with use_owner(o.owner):
-            o.capture(recorders[-1])
-        free_now = settled_free_bytes()
-        reserved_now = torch.cuda.memory_reserved()
-        measured.append(
-            OwnerMemory(
-                o.owner,
-                recorders[-1].num_graphs,
-                driver_bytes=free_prev - free_now,
-                allocator_bytes=reserved_now - reserved_prev,
-            )
-        )
-        free_prev, reserved_prev = free_now, reserved_now
-    return measured
+    if not owners:
+        raise ValueError("owners is empty; pass at least the target's OwnerGraphs")
+    meter = CaptureMeter(lambda: sum(r.num_graphs for r in recorders), rest_owner=owners[0].owner)
+    with meter.whole_call():
+        for o in owners:
+            recorders.append(GraphRecorder(pool, o.owner, channel_pools))
+            with (
+                use_owner(o.owner),
+                meter.measure(o.owner) if o is not owners[0] else nullcontext(),
+            ):
+                o.capture(recorders[-1])
+    return meter.owners()
 
 
 def _tear_down(steps: Sequence[Step], error: BaseException | None = None) -> None:

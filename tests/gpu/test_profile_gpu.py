@@ -9,12 +9,8 @@ import torch
 
 from vllm_specgraph.capture import GraphRecorder
 from vllm_specgraph.demo.model import BATCH_SIZES, ToyConfig, ToyGraphSet, build_toy_setup
-from vllm_specgraph.profile import (
-    OwnerGraphs,
-    measure_captures,
-    profile_graph_memory,
-    settled_free_bytes,
-)
+from vllm_specgraph.meter import settled_free_bytes
+from vllm_specgraph.profile import OwnerGraphs, measure_captures, profile_graph_memory
 
 pytestmark = pytest.mark.gpu
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from vllm_specgraph.lanes import current_owner, current_owner_name
-from vllm_specgraph.patches._capture_meter import CaptureFootprint
+from vllm_specgraph.meter import CaptureFootprint
 
 pytestmark = pytest.mark.vllm
 
@@ -110,6 +110,8 @@ def vllm_env(install_patch, allocator_conf, monkeypatch):
         "mem_get_info": lambda: (state["free"], 2000 * MIB),
         "memory_snapshot": memory_snapshot,
         "memory_reserved": lambda: 300 * MIB + kept() + state["held"],
+        "max_memory_reserved": lambda: 300 * MIB + kept() + state["held"],
+        "reset_peak_memory_stats": lambda: None,
         "current_device": lambda: 0,
         "graph_pool_handle": graph_pool_handle,
         "is_current_stream_capturing": lambda: False,
@@ -344,7 +346,13 @@ def test_profile_step_order(vllm_env):
     env.cudagraph_utils.profile_cudagraph_memory(_runner(env))
     private = (0, 2)
     steps = [e for e in env.events if e[0] not in ("empty_cache",)]
-    assert steps[:4] == [("sync",), ("clear_cublas",), ("blas_handle",), ("minimal_kv", private)]
+    assert steps[:5] == [
+        ("sync",),
+        ("clear_cublas",),
+        ("blas_handle",),
+        ("sync",),  # the engine's baseline
+        ("minimal_kv", private),
+    ]
     capture_at = steps.index(("capture_model", False, private))
     on_at = steps.index(("alloc_conf", "expandable_segments:True"))
     off_at = steps.index(("alloc_conf", "expandable_segments:False"))

@@ -200,7 +200,8 @@ def test_setup_logs_what_it_took_against_the_budget(env, caplog):
 def test_profile_budget_adds_the_workspace_to_the_graphs(env, install_patch, monkeypatch):
     from vllm.config.compilation import CUDAGraphMode
 
-    from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory
+    from vllm_specgraph.meter import OwnerMemory
+    from vllm_specgraph.profile import GraphMemoryReport
 
     cudagraph_utils = install_patch("vllm.v1.worker.gpu.cudagraph_utils")
     profile_patch = sys.modules["vllm_specgraph.patches.v1.worker.gpu.cudagraph_utils"]

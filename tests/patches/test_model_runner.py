@@ -124,9 +124,11 @@ def test_production_capture_reports_where_its_bytes_went(monkeypatch, caplog, al
     import torch
     from vllm.compilation.counter import compilation_counter
 
-    from vllm_specgraph.patches import _capture_meter as meter
+    from vllm_specgraph import meter
+    from vllm_specgraph.meter import OwnerMemory
+    from vllm_specgraph.patches import _measurements
     from vllm_specgraph.patches.v1.worker.gpu import model_runner as patch
-    from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory
+    from vllm_specgraph.profile import GraphMemoryReport
 
     mib = 1 << 20
     state = {"free": 1000 * mib, "graph": 0, "default": 300 * mib, "other_gpu": 64 * mib}
@@ -159,7 +161,7 @@ def test_production_capture_reports_where_its_bytes_went(monkeypatch, caplog, al
 
     runner = Runner()
     estimate = GraphMemoryReport((OwnerMemory("target", 3, 38 * mib, 0),), 0, 0, 0, 0, 1.0)
-    runner.specgraph_profile = meter.SpecgraphCapture(estimate=estimate)
+    runner.specgraph_profile = _measurements.SpecgraphCapture(estimate=estimate)
     capture_model = patch._wrap_capture_model(Runner.capture_model)
     with caplog.at_level("INFO", logger="vllm.specgraph"):
         assert capture_model(runner) == 38 * mib
@@ -191,15 +193,16 @@ CUSTOM_AR = "the TP group's custom all-reduce registers captured buffers by CUDA
 def test_estimate_far_from_production_warns_and_says_why_segments_were_not_expandable(
     caplog, estimate_mib, actual_mib, blocker, warned
 ):
-    from vllm_specgraph.patches import _capture_meter as meter
+    from vllm_specgraph.meter import OwnerMemory
+    from vllm_specgraph.patches import _measurements
     from vllm_specgraph.patches.v1.worker.gpu import model_runner as patch
-    from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory
+    from vllm_specgraph.profile import GraphMemoryReport
 
     mib = 1 << 20
     estimate = GraphMemoryReport(
         (OwnerMemory("target", 51, estimate_mib * mib, 0),), 0, 0, 0, 0, 1.0
     )
-    outcome = meter.SpecgraphCapture(
+    outcome = _measurements.SpecgraphCapture(
         estimate=estimate,
         capture_wall_seconds=1.0,
         actual=(OwnerMemory("target", 51, actual_mib * mib, 0),),
@@ -248,9 +251,11 @@ def test_capture_inside_an_active_meter_reports_to_that_meter_alone():
     """A capture_model call made inside a measured one (the profile's pass) must not
     start its own meter: the speculator's capture would report its bytes to the inner
     meter, and the outer one would count them as the target's."""
-    from vllm_specgraph.patches import _capture_meter as meter
+    from vllm_specgraph import meter
+    from vllm_specgraph.meter import OwnerMemory
+    from vllm_specgraph.patches import _measurements
     from vllm_specgraph.patches.v1.worker.gpu import model_runner as patch
-    from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory
+    from vllm_specgraph.profile import GraphMemoryReport
 
     calls = []
 
@@ -263,9 +268,9 @@ def test_capture_inside_an_active_meter_reports_to_that_meter_alone():
 
     runner = Runner()
     estimate = GraphMemoryReport((OwnerMemory("target", 1, 1, 0),), 0, 0, 0, 0, 1.0)
-    runner.specgraph_profile = meter.SpecgraphCapture(estimate=estimate)
+    runner.specgraph_profile = _measurements.SpecgraphCapture(estimate=estimate)
     capture_model = patch._wrap_capture_model(Runner.capture_model)
-    with meter.metering(meter.CaptureMeter()) as outer:
+    with meter.metering(meter.CaptureMeter(_measurements.graphs_captured)) as outer:
         capture_model(runner)
     assert calls == [outer] and runner.specgraph_profile.actual is None
 
@@ -280,9 +285,10 @@ def test_production_kv_set_up_is_read_beside_the_cache_and_logged(
     import torch
     from vllm.compilation.counter import compilation_counter
 
-    from vllm_specgraph.patches import _capture_meter as meter
+    from vllm_specgraph.meter import OwnerMemory
+    from vllm_specgraph.patches import _measurements
     from vllm_specgraph.patches.v1.worker.gpu import model_runner as patch
-    from vllm_specgraph.profile import GraphMemoryReport, OwnerMemory
+    from vllm_specgraph.profile import GraphMemoryReport
 
     mib = 1 << 20
     kv = torch.zeros(8, dtype=torch.int8)
@@ -323,7 +329,7 @@ def test_production_kv_set_up_is_read_beside_the_cache_and_logged(
     initialize_kv_cache(runner, None, True)
     assert not hasattr(runner, "specgraph_profile")
     estimate = GraphMemoryReport((OwnerMemory("target", 1, 0, 0),), 0, 0, 0, 0, 1.0)
-    runner.specgraph_profile = meter.SpecgraphCapture(
+    runner.specgraph_profile = _measurements.SpecgraphCapture(
         estimate=estimate, kv_state_bytes=16 * mib, kv_state_kept_bytes=0
     )
     segments[:] = [(300 * mib, [(1, 300 * mib)])]

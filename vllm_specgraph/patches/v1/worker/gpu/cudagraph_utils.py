@@ -11,8 +11,9 @@ workspaces taken (32 MiB per graph manager).
 
 This patch changes: ``profile_cudagraph_memory`` runs ``capture_model`` over
 every graph production will capture, inside the core's
-:func:`~vllm_specgraph.profile.disposable_graph_pass`, and takes vLLM's own
-measure of it; the draft's share is read around the speculator's capture. Both
+:func:`~vllm_specgraph.profile.disposable_graph_pass`, as passes of the core's
+engine (:func:`~vllm_specgraph.profile.measure_graph_memory`), and takes vLLM's
+own measure of it; the draft's share is read around the speculator's capture. Both
 the profile's captures and production's run with expandable segments where the
 allocator allows it (:mod:`vllm_specgraph.patches._capture_allocator`), so both
 pack the same requests alike. A pass that leaves memory taken met one-time
@@ -51,24 +52,29 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_specgraph.lanes import LaneWorkspace
+from vllm_specgraph.meter import (
+    CaptureFootprint,
+    CaptureMeter,
+    describe_owners,
+    live_blocks,
+    metering,
+)
 from vllm_specgraph.patches._capture_allocator import (
     expandable_segments_blocker,
     expandable_segments_for_capture,
 )
-from vllm_specgraph.patches._capture_meter import (
-    CaptureFootprint,
-    CaptureMeter,
+from vllm_specgraph.patches._measurements import (
     KVSetUpState,
     SpecgraphCapture,
-    metering,
+    graphs_captured,
 )
 from vllm_specgraph.patches._patching import PatchSet
 from vllm_specgraph.patches.distributed.parallel_state import group_channel_pools
 from vllm_specgraph.profile import (
     GraphMemoryReport,
-    OwnerMemory,
+    PassReading,
     disposable_graph_pass,
-    live_blocks,
+    measure_graph_memory,
     release_capture_stream_workspaces,
 )
 from vllm_specgraph.ranks import on_any_rank
@@ -79,7 +85,6 @@ if TYPE_CHECKING:
 
 
 __all__ = [
-    "ONE_TIME_THRESHOLD_BYTES",
     "PROFILE_MODES",
     "ProfileOutcome",
     "budget_bytes",
@@ -89,9 +94,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("vllm.specgraph")
-
-ONE_TIME_THRESHOLD_BYTES = 1 << 20
-"""A pass that leaves more than this taken met process state for the first time."""
 
 _MIB = 1 << 20
 
@@ -122,19 +124,12 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome | None:
     capture (its modes resolved to none, an encoder-only runner): vLLM's own
     profile returns 0 there, and so does the plugin's, without a capture.
 
-    A pass that leaves memory taken (more than :data:`ONE_TIME_THRESHOLD_BYTES`)
-    met process state for the first time: kernel modules loaded on first launch,
-    say, which production, after vLLM's warm-up, will not load again. That
-    remainder is reported as ``one_time_bytes``. One pass is enough when the
-    capture ran with expandable segments, whose packing follows the order of
-    requests alone, and the remainder is, within the threshold, the owners'
-    bytes outside the allocator plus allocator blocks made before capturing
-    (the speculator's attention state for the profiling KV cache, say): then
-    no block a capture made was kept, and each owner's allocator bytes are
-    what production will take. Otherwise the profile measures a second time,
-    with that state in place, as production will find it. The KV cache is
-    sized after the profile, so the budget (:func:`budget_bytes`) counts the
-    one-time bytes and whatever the last pass left taken (``retained_bytes``).
+    Runs the core's :func:`~vllm_specgraph.profile.measure_graph_memory` over
+    disposable passes of vLLM's own ``capture_model``: one pass, or two where
+    the first kept memory a capture made (its docstring says when). The KV
+    cache is sized after the profile, so the budget (:func:`budget_bytes`)
+    counts the one-time bytes and whatever the last pass left taken
+    (``retained_bytes``). Every rank of the engine takes the same passes.
 
     *Requires*: called before the KV cache exists and before any graph was
     captured (``Worker.determine_available_memory``); no capture is active.
@@ -159,74 +154,24 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome | None:
     # what is left to settle is work in flight and earlier streams' cuBLAS workspaces.
     torch.cuda.synchronize()
     release_capture_stream_workspaces()
-    torch.cuda.empty_cache()
-    free_start, reserved_start = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
-    blocks_start = live_blocks()
     clock.lap("settle")
-    first = _measured_pass(runner, workspace, clock)
-    if first is None:
-        _on_any_rank_of_the_engine(False)  # the ranks that captured wait for this vote
-        return None
-    last, passes = first, 1
-    owners, one_time, retained = first.owners, 0, free_start - first.free_after
-    one_pass = True
-    if retained > ONE_TIME_THRESHOLD_BYTES:
-        one_time, retained = retained, 0
-        outside_allocator = sum(o.driver_bytes - o.allocator_bytes for o in first.owners)
-        in_allocator = torch.cuda.memory_reserved() - reserved_start
-        made_while_capturing = first.blocks_after - blocks_start - first.blocks_before_capture
-        one_pass = (
-            first.expandable_segments
-            and not made_while_capturing
-            and abs(outside_allocator + in_allocator - one_time) <= ONE_TIME_THRESHOLD_BYTES
-        )
-        if one_pass:
-            owners = tuple(replace(o, driver_bytes=o.allocator_bytes) for o in first.owners)
-            logger.info(
-                "vllm-specgraph: the profiling pass left %.1f MiB with the process: %.1f MiB "
-                "outside the allocator and %.1f MiB of blocks made before capturing; its "
-                "allocator bytes are the graphs: %s",
-                one_time / _MIB,
-                outside_allocator / _MIB,
-                in_allocator / _MIB,
-                _format_owners(owners),
-            )
-    # A second pass runs collectives (warm-up all-reduces, channel rendezvous,
-    # rollback barriers): every rank runs it if any rank's readings ask for it.
-    if _on_any_rank_of_the_engine(not one_pass):
-        # A block a capture made and kept, or allocator packing that may differ
-        # (without expandable segments, on an H200, a 1B model's first pass
-        # missed production by a segment), here or on another rank: a second
-        # pass finds the one-time state in place, as production will.
-        logger.info(
-            "vllm-specgraph: the first profiling pass took %s and left %.1f MiB with the "
-            "process%s; measuring again with that state in place",
-            _format_owners(first.owners),
-            one_time / _MIB,
-            "" if not one_pass else " (another rank's pass asks for a second)",
-        )
-        again = _measured_pass(runner, workspace, clock, suffix=" again")
-        assert again is not None, "the first pass found graphs to capture"
-        last, passes = again, 2
-        owners, retained = last.owners, first.free_after - last.free_after
-    report = GraphMemoryReport(
-        owners=owners,
-        one_time_bytes=one_time,
-        transient_peak_bytes=0,
-        retained_bytes=retained,
-        # Of all the profile kept (one-time and retained), what the allocator holds.
-        retained_allocator_bytes=torch.cuda.memory_reserved() - reserved_start,
-        wall_seconds=clock.total(),
+    profile = measure_graph_memory(
+        lambda index: _measured_pass(runner, workspace, clock, " again" if index else ""),
+        agree=_on_any_rank_of_the_engine,
+        log=lambda line: logger.info("vllm-specgraph: %s", line),
     )
+    if profile is None:
+        return None
+    last = profile.last
     return ProfileOutcome(
-        report,
+        replace(profile.report, wall_seconds=clock.total()),
         clock.phases,
         last.footprint,
-        passes,
+        profile.passes,
         last.expandable_segments,
         expandable_segments_blocker(runner.vllm_config),
-        kv_state_bytes=last.kv_state.freed_bytes(last.blocks_after),
-        kv_state_kept_bytes=last.kv_state.kept_bytes(last.blocks_after),
+        kv_state_bytes=last.kv_state.freed_bytes(profile.blocks_after),
+        kv_state_kept_bytes=last.kv_state.kept_bytes(profile.blocks_after),
     )
 
 
@@ -244,23 +189,18 @@ def budget_bytes(report: GraphMemoryReport) -> int:
 
 
 @dataclass(frozen=True)
-class _Pass:
-    owners: tuple[OwnerMemory, ...]
-    free_after: int
-    blocks_after: frozenset[tuple[int, int]]  # the allocator's blocks once the pass ended
-    footprint: CaptureFootprint | None
-    expandable_segments: bool
-    blocks_before_capture: frozenset[tuple[int, int]]
-    kv_state: KVSetUpState
+class _Pass(PassReading):
+    footprint: CaptureFootprint | None = None  # where the capture's bytes went
+    kv_state: KVSetUpState | None = None  # what the minimal KV-cache set-up made beside it
 
 
 def _measured_pass(
     runner: GPUModelRunner, workspace: LaneWorkspace, clock: _PhaseClock, suffix: str = ""
 ) -> _Pass | None:
-    """One disposable pass over ``capture_model``: the owners, the free bytes after the
-    pass, where the capture's bytes went, whether it ran with expandable segments and
-    the allocator's blocks when the capture began. None, after the pass's teardown,
-    when the runner set up for the minimal KV cache has no graph to capture."""
+    """One disposable pass over ``capture_model``: the owners, the allocator's blocks
+    when the capture began, whether it ran with expandable segments, where its bytes
+    went and the KV-cache set-up's state. None, after the pass's teardown, when the
+    runner set up for the minimal KV cache has no graph to capture."""
     from vllm.compilation.counter import compilation_counter
     from vllm.compilation.cudagraph_pool import capture_outside_cumem_pool
     from vllm.config import set_current_vllm_config
@@ -292,28 +232,23 @@ def _measured_pass(
                 capture_outside_cumem_pool(),
                 _capture_in_frozen_pass(),
                 expandable_segments_for_capture(runner.vllm_config) as expandable,
-                metering(CaptureMeter()) as meter,
+                metering(CaptureMeter(graphs_captured)) as meter,
                 meter.whole_call(),
             ):
                 total = int(runner.capture_model(profile_only=False))
-            num_graphs = compilation_counter.num_cudagraph_captured - counters[0]
             clock.lap("capture" + suffix)
     finally:
         (
             compilation_counter.num_cudagraph_captured,
             compilation_counter.num_gpu_runner_capture_triggers,
         ) = counters
-    # The pass ended by settling (its restore steps), so a plain reading will do.
-    free_after, blocks_after = torch.cuda.mem_get_info()[0], live_blocks()
     clock.lap("teardown" + suffix)
     return _Pass(
-        meter.owners(total, num_graphs),
-        free_after,
-        blocks_after,
-        meter.footprint,
-        expandable,
+        meter.owners(total),
         blocks_before_capture,
-        kv_state,
+        expandable,
+        footprint=meter.footprint,
+        kv_state=kv_state,
     )
 
 
@@ -352,12 +287,6 @@ def _capture_in_frozen_pass() -> Iterator[None]:
         yield
     finally:
         model_runner.freeze_gc_for_cudagraph_capture = production
-
-
-def _format_owners(owners: tuple[OwnerMemory, ...]) -> str:
-    return ", ".join(
-        f"{o.owner} {o.driver_bytes / _MIB:.1f} MiB ({o.num_graphs} graphs)" for o in owners
-    )
 
 
 class _PhaseClock:
@@ -480,7 +409,7 @@ def _profile_cudagraph_memory(upstream: Callable[[Any], int]) -> Callable[[Any],
             "vllm-specgraph: CUDA graph memory profile: %s; graphs %.1f MiB in %d graphs; "
             "kept by the process since: one-time %.2f MiB, left by the last pass %.2f MiB; "
             "budget %.1f MiB%s; %d %s, expandable segments %s; %.2f s (%s)",
-            _format_owners(report.owners),
+            describe_owners(report.owners),
             report.total_driver_bytes / _MIB,
             sum(o.num_graphs for o in report.owners),
             report.one_time_bytes / _MIB,

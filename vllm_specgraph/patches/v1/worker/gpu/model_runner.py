@@ -33,16 +33,14 @@ from contextlib import nullcontext
 from types import ModuleType
 
 from vllm_specgraph.lanes import DEFAULT_OWNER_LANES, current_owner, use_lane
-from vllm_specgraph.patches._capture_meter import (
-    CaptureMeter,
+from vllm_specgraph.meter import CaptureMeter, current_meter, live_blocks, metering
+from vllm_specgraph.patches._measurements import (
     KVSetUpState,
     SpecgraphCapture,
-    current_meter,
-    metering,
+    graphs_captured,
 )
 from vllm_specgraph.patches._patching import PatchSet
 from vllm_specgraph.patches._profile_run import wrap_profile_run
-from vllm_specgraph.profile import live_blocks
 
 __all__ = ["install", "run_speculator_in_draft_lane"]
 
@@ -122,22 +120,17 @@ def _wrap_capture_model(original: Callable) -> Callable:
         outcome: SpecgraphCapture | None = getattr(self, "specgraph_profile", None)
         if profile_only or outcome is None or current_meter() is not None:
             return original(self, profile_only=profile_only)
-        from vllm.compilation.counter import compilation_counter
-
         from vllm_specgraph.patches._capture_allocator import expandable_segments_for_capture
 
-        graphs_before = compilation_counter.num_cudagraph_captured
         started = time.perf_counter()
         with (
             expandable_segments_for_capture(self.vllm_config),
-            metering(CaptureMeter()) as meter,
+            metering(CaptureMeter(graphs_captured)) as meter,
             meter.whole_call(),
         ):
             total = original(self, profile_only=profile_only)
         outcome.capture_wall_seconds = time.perf_counter() - started
-        outcome.actual = meter.owners(
-            int(total), compilation_counter.num_cudagraph_captured - graphs_before
-        )
+        outcome.actual = meter.owners(int(total))
         outcome.actual_footprint = meter.footprint
         _log_estimate_vs_actual(outcome)
         return total
