@@ -1,0 +1,75 @@
+"""A reserved range on a real GPU: graphs captured before its pages exist, and failures.
+
+Needs NVIDIA's cuda-bindings package beside torch. Free memory is read at
+driver level (cudaMemGetInfo), settled first.
+"""
+
+import gc
+
+import pytest
+import torch
+
+from vllm_specgraph.meter import settled_free_bytes
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("cuda.bindings.driver", reason="needs NVIDIA's cuda-bindings package")
+
+from vllm_specgraph.reserve import PageMapError, ReservedRange  # noqa: E402
+
+MIB = 1 << 20
+
+
+def test_a_graph_captured_before_pages_are_mapped_reads_and_writes_them_after():
+    free_before = settled_free_bytes()
+    reserved = ReservedRange(64 * MIB, torch.cuda.current_device())
+    reserved.map(0, reserved.granularity)  # what warm-up and capture touch
+    values = reserved.tensor(torch.float32)
+    far = (48 * MIB) // 4  # an element on a page that does not exist yet
+    near = 5
+    values[near] = 7.0
+    step = torch.zeros(1, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        values[far : far + 4] += values[near] + step  # reads a mapped page, writes a late one
+    mapped = reserved.map(0, reserved.reserved_bytes)
+    assert mapped == reserved.reserved_bytes - reserved.granularity
+    values[far : far + 4] = 1.0
+    step.fill_(0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert values[far : far + 4].tolist() == [8.5] * 4
+    values[near] = 2.0  # a page mapped before the capture, written after it
+    graph.replay()
+    assert values[far : far + 4].tolist() == [11.0] * 4
+    del graph, values
+    gc.collect()
+    reserved.release()
+    assert abs(free_before - settled_free_bytes()) <= 2 * MIB, "every page given back"
+
+
+def test_backing_more_than_the_gpu_has_fails_clearly_and_leaves_memory_as_it_was():
+    free = settled_free_bytes()
+    reserved = ReservedRange(free + 8 * reserved_granularity(), torch.cuda.current_device())
+    reserved.map(0, reserved.granularity)
+    before = settled_free_bytes()
+    with pytest.raises(PageMapError, match=r"could not back .* MiB free"):
+        reserved.map(0, reserved.reserved_bytes)
+    assert abs(before - settled_free_bytes()) <= 2 * MIB, "the failed call kept no page"
+    assert reserved.mapped_bytes == reserved.granularity
+    view = reserved.tensor()
+    view[:4] = 3
+    assert view[:4].tolist() == [3] * 4, "the range works after the failure"
+    with pytest.raises(RuntimeError, match="still alive"):
+        reserved.release()
+    del view
+    gc.collect()
+    reserved.release()
+    assert abs(free - settled_free_bytes()) <= 2 * MIB
+
+
+def reserved_granularity() -> int:
+    probe = ReservedRange(1, torch.cuda.current_device())
+    try:
+        return probe.granularity
+    finally:
+        probe.release()

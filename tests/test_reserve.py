@@ -1,0 +1,218 @@
+"""The reserved range's bookkeeping on the CPU, with the CUDA driver API faked.
+
+The fake stands for ``cuda.bindings.driver``, the narrowest seam: it hands out
+handles for physical allocations while a budget lasts and records what is
+mapped where. tests/gpu/test_reserve_gpu.py checks real pages on a GPU.
+"""
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_specgraph.reserve import PageMapError, ReservedRange
+
+MIB = 1 << 20
+OK, OUT_OF_MEMORY, INVALID = 0, 2, 1
+
+
+class FakeDriver:
+    CUresult = SimpleNamespace(CUDA_SUCCESS=OK)
+    CUmemAllocationGranularity_flags = SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_MINIMUM=0)
+    CUmemAllocationType = SimpleNamespace(CU_MEM_ALLOCATION_TYPE_PINNED=1)
+    CUmemLocationType = SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE=1)
+    CUmemAccess_flags = SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3)
+
+    class CUmemAllocationProp:
+        def __init__(self):
+            self.location = SimpleNamespace()
+
+    class CUmemAccessDesc:
+        def __init__(self):
+            self.location = SimpleNamespace()
+
+    def __init__(self, physical_bytes: int = 64 * MIB) -> None:
+        self.physical_free = physical_bytes
+        self.handles: dict[int, int] = {}  # handle -> bytes
+        self.mapped: dict[int, tuple[int, int]] = {}  # address -> (bytes, handle)
+        self.reserved: dict[int, int] = {}
+        self.fail_map = self.fail_access = False
+        self._next = 0
+
+    def cuMemGetAllocationGranularity(self, prop, flag):
+        return OK, 2 * MIB
+
+    def cuMemAddressReserve(self, size, alignment, address, flags):
+        base = (1 << 40) + len(self.reserved) * (1 << 36)
+        self.reserved[base] = size
+        return OK, base
+
+    def cuMemAddressFree(self, address, size):
+        assert self.reserved.pop(address) == size
+        return (OK,)
+
+    def cuMemCreate(self, size, prop, flags):
+        if size > self.physical_free:
+            return OUT_OF_MEMORY, None
+        self._next += 1
+        self.handles[self._next], self.physical_free = size, self.physical_free - size
+        return OK, self._next
+
+    def cuMemRelease(self, handle):
+        self.physical_free += self.handles.pop(handle)
+        return (OK,)
+
+    def cuMemMap(self, address, size, offset, handle, flags):
+        if self.fail_map:
+            return (INVALID,)
+        self.mapped[address] = (size, handle)
+        return (OK,)
+
+    def cuMemSetAccess(self, address, size, descs, count):
+        assert descs[0].location.id == 0 and count == 1
+        return (INVALID,) if self.fail_access else (OK,)
+
+    def cuMemUnmap(self, address, size):
+        assert self.mapped.pop(address)[0] == size
+        return (OK,)
+
+    def cuGetErrorName(self, result):
+        return OK, {OUT_OF_MEMORY: b"CUDA_ERROR_OUT_OF_MEMORY", INVALID: b"CUDA_ERROR_INVALID"}[
+            result
+        ]
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (5 * MIB, 80 * MIB))
+    return FakeDriver()
+
+
+def _offsets(driver, reserved):
+    return sorted((a - reserved.address, n) for a, (n, _) in driver.mapped.items())
+
+
+def test_a_range_is_reserved_at_the_granularity_and_maps_only_what_is_asked(driver):
+    reserved = ReservedRange(9 * MIB, "cuda:0", driver=driver)
+    assert (reserved.reserved_bytes, reserved.mapped_bytes) == (10 * MIB, 0)
+    assert driver.reserved == {reserved.address: 10 * MIB}
+    assert reserved.map(3 * MIB, 1) == 2 * MIB, "widened to the pages around it"
+    assert _offsets(driver, reserved) == [(2 * MIB, 2 * MIB)]
+
+
+def test_mapping_over_mapped_pages_backs_only_the_unmapped_runs(driver):
+    reserved = ReservedRange(10 * MIB, "cuda:0", driver=driver)
+    reserved.map(2 * MIB, 2 * MIB)
+    reserved.map(6 * MIB, 2 * MIB)
+    assert reserved.map(0, 10 * MIB) == 6 * MIB
+    assert _offsets(driver, reserved) == [
+        (0, 2 * MIB),
+        (2 * MIB, 2 * MIB),
+        (4 * MIB, 2 * MIB),
+        (6 * MIB, 2 * MIB),
+        (8 * MIB, 2 * MIB),
+    ]
+    assert reserved.mapped_bytes == 10 * MIB and reserved.map(0, 10 * MIB) == 0
+
+
+def test_running_out_of_memory_names_what_was_asked_and_what_is_free_and_leaks_nothing(driver):
+    driver.physical_free = 5 * MIB
+    reserved = ReservedRange(16 * MIB, "cuda:0", driver=driver)
+    reserved.map(2 * MIB, 2 * MIB)
+    with pytest.raises(PageMapError, match=r"could not back 12\.0 MiB .* 5\.0 MiB free"):
+        reserved.map(0, 16 * MIB)  # the first run (2 MiB) fits, the second (12 MiB) does not
+    assert reserved.mapped_bytes == 2 * MIB
+    assert _offsets(driver, reserved) == [(2 * MIB, 2 * MIB)]
+    assert driver.physical_free == 3 * MIB and len(driver.handles) == 1
+
+
+@pytest.mark.parametrize("failing", ["fail_map", "fail_access"])
+def test_a_failed_map_or_access_gives_its_pages_back(driver, failing):
+    reserved = ReservedRange(4 * MIB, "cuda:0", driver=driver)
+    setattr(driver, failing, True)
+    with pytest.raises(PageMapError, match=r"CUDA_ERROR_INVALID.*nothing of this call stays"):
+        reserved.map(0, 4 * MIB)
+    assert (reserved.mapped_bytes, driver.mapped, driver.handles) == (0, {}, {})
+    setattr(driver, failing, False)
+    assert reserved.map(0, 4 * MIB) == 4 * MIB, "the range is usable after the failure"
+
+
+def test_release_unmaps_every_page_and_frees_the_range_once(driver, monkeypatch):
+    synchronised = []
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronised.append)
+    reserved = ReservedRange(8 * MIB, "cuda:0", driver=driver)
+    reserved.map(0, 4 * MIB)
+    reserved.map(6 * MIB, 2 * MIB)
+    reserved.release()
+    reserved.release()
+    assert (driver.mapped, driver.handles, driver.reserved) == ({}, {}, {})
+    assert driver.physical_free == 64 * MIB and len(synchronised) == 1
+    with pytest.raises(RuntimeError, match="was released; make a new one"):
+        reserved.map(0, 1)
+
+
+def test_release_is_refused_while_a_view_is_alive(driver, monkeypatch):
+    """torch.as_tensor stands in for the view: it keeps the range's holder, as a
+    CUDA tensor made from ``__cuda_array_interface__`` does."""
+    views = []
+
+    def as_tensor(holder, device):
+        views.append(holder)
+        return torch.zeros(4, dtype=torch.uint8)
+
+    monkeypatch.setattr(torch, "as_tensor", as_tensor)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    reserved = ReservedRange(4 * MIB, "cuda:0", driver=driver)
+    reserved.map(2 * MIB, 2 * MIB)
+    with pytest.raises(RuntimeError, match=r"first page is not mapped.*map\(0, \.\.\.\) first"):
+        reserved.tensor()
+    reserved.map(0, 1)
+    reserved.tensor()
+    reserved.tensor()
+    assert len({id(v) for v in views}) == 1, "every view shares one holder"
+    with pytest.raises(RuntimeError, match="a tensor over this reserved range is still alive"):
+        reserved.release()
+    assert driver.reserved, "nothing released"
+    views.clear()  # the last view goes
+    reserved.release()
+    assert driver.reserved == {}
+
+
+def test_mapping_beyond_the_range_is_refused_before_any_page(driver):
+    reserved = ReservedRange(4 * MIB, "cuda:0", driver=driver)
+    with pytest.raises(ValueError, match=r"reaches byte 5242880, beyond the 4194304 reserved"):
+        reserved.map(4 * MIB, MIB)
+    assert driver.handles == {}
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        ((0, 0), ValueError, "nbytes must be >= 1"),
+        (("1", 0), TypeError, "nbytes must be an int"),
+        ((MIB, "cpu"), ValueError, "device must be one CUDA GPU with its index"),
+        ((MIB, "cuda"), ValueError, "device must be one CUDA GPU with its index"),
+    ],
+)
+def test_bad_range_arguments_are_named_before_any_driver_call(driver, args, error, match):
+    with pytest.raises(error, match=match):
+        ReservedRange(*args, driver=driver)
+    assert driver.reserved == {}
+
+
+def test_without_cuda_bindings_the_error_names_the_package(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_cuda(name, *args, **kwargs):
+        if name.startswith("cuda"):
+            raise ImportError("No module named 'cuda'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_cuda)
+    with pytest.raises(RuntimeError, match="needs NVIDIA's cuda-bindings package"):
+        ReservedRange(MIB, "cuda:0")

@@ -1,0 +1,240 @@
+"""A GPU address range reserved up front and backed by physical pages on demand.
+
+Capture-once needs a tensor whose addresses exist before its memory does: CUDA
+graphs are captured against it while only the pages warm-up and capture touch
+are backed, their cost is measured, and only then are pages mapped up to the
+budget. A captured kernel bakes in virtual addresses, so it reads and writes
+pages mapped after the capture, and keeps reading the pages mapped before it.
+
+The CUDA driver's virtual memory management does this (``cuMemAddressReserve``,
+``cuMemCreate``, ``cuMemMap``, ``cuMemSetAccess``), called through NVIDIA's
+``cuda-bindings`` package (``cuda.bindings.driver``), which is imported only when
+a range is made. Torch only besides: this module never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_specgraph._checks import check_device, check_int
+
+__all__ = ["PageMapError", "ReservedRange"]
+
+_MIB = 1 << 20
+
+
+class PageMapError(RuntimeError):
+    """Backing a range with pages failed; nothing was mapped by the failed call."""
+
+
+@dataclass(frozen=True)
+class _Mapping:
+    offset: int
+    nbytes: int
+    handle: Any
+
+
+class _Views:
+    """Held by every tensor over the range: alive while any view is."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
+        }
+
+
+def _driver() -> Any:
+    try:
+        from cuda.bindings import driver
+    except ImportError as error:
+        raise RuntimeError(
+            "a reserved GPU range needs NVIDIA's cuda-bindings package (cuda.bindings.driver); "
+            f"install cuda-bindings for this CUDA driver ({error})"
+        ) from None
+    return driver
+
+
+class ReservedRange:
+    """``nbytes`` of virtual addresses on one GPU, backed by pages only where mapped.
+
+    Arguments:
+        nbytes: the range's size; rounded up to the driver's granularity (2 MiB on
+            current GPUs).
+        device: the GPU (a torch.device, ``"cuda:N"`` or an index).
+        driver: the CUDA driver API (``cuda.bindings.driver``); given only by tests.
+
+    *Owns*: the address range and every page mapped into it, until :meth:`release`.
+    *Lends*: :meth:`tensor` views; touching an unmapped byte through one is an
+    illegal address, on the GPU and in any graph that replays it.
+    """
+
+    def __init__(self, nbytes: int, device: torch.device | str | int, *, driver: Any = None):
+        check_int("nbytes", nbytes, 1, "pass the largest size the range must ever hold")
+        self.device = check_device("device", device, "pass the GPU, e.g. 'cuda:0'")
+        if self.device.type != "cuda" or self.device.index is None:
+            raise ValueError(
+                f"device must be one CUDA GPU with its index, got {device!r}; pass e.g. 'cuda:0'"
+            )
+        self._cu = driver if driver is not None else _driver()
+        torch.cuda.init()  # the driver calls below act on torch's (primary) context
+        self._prop = self._allocation_prop()
+        self.granularity = self._call(
+            "cuMemGetAllocationGranularity",
+            self._prop,
+            self._cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+        )
+        self.reserved_bytes = -(-int(nbytes) // self.granularity) * self.granularity
+        self.address = int(
+            self._call("cuMemAddressReserve", self.reserved_bytes, self.granularity, 0, 0)
+        )
+        self._mappings: list[_Mapping] = []
+        self._views: weakref.ref[_Views] | None = None
+
+    @property
+    def mapped_bytes(self) -> int:
+        return sum(m.nbytes for m in self._mappings)
+
+    def tensor(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """A tensor over the whole range, ``reserved_bytes`` long in bytes.
+
+        Every view keeps one holder alive, so :meth:`release` can tell whether any is left.
+        *Requires*: the first page is mapped (torch asks the driver which GPU the
+        address is on).
+        """
+        if self.address == 0:
+            raise RuntimeError("this reserved range was released; make a new one")
+        if not self._mappings or self._mappings[0].offset != 0:
+            raise RuntimeError(
+                "the range's first page is not mapped, so torch cannot place a tensor on it; "
+                "map(0, ...) first"
+            )
+        views = self._views() if self._views is not None else None
+        if views is None:
+            views = _Views(self.address, self.reserved_bytes)
+            self._views = weakref.ref(views)
+        with torch.cuda.device(self.device):
+            raw = torch.as_tensor(views, device=self.device)
+        return raw.view(dtype)
+
+    def map(self, offset: int, nbytes: int) -> int:
+        """Back ``[offset, offset + nbytes)`` with pages (widened to the granularity).
+
+        Pages already mapped stay as they are, with their contents; one new
+        physical allocation backs each unmapped run. Returns the bytes newly mapped.
+
+        Raises :class:`PageMapError` naming the bytes asked for and the GPU's
+        free bytes when the driver refuses; what the failed call had mapped is
+        unmapped and released again, so the range is as it was.
+        """
+        check_int("offset", offset, 0, "pass a byte offset into the range")
+        check_int("nbytes", nbytes, 1, "pass how many bytes to back")
+        if self.address == 0:
+            raise RuntimeError("this reserved range was released; make a new one")
+        g = self.granularity
+        start, end = offset // g * g, -(-(offset + nbytes) // g) * g
+        if end > self.reserved_bytes:
+            raise ValueError(
+                f"map({offset}, {nbytes}) reaches byte {offset + nbytes}, beyond the "
+                f"{self.reserved_bytes} reserved; reserve a larger range"
+            )
+        runs = self._unmapped_runs(start, end)
+        added: list[_Mapping] = []
+        try:
+            for run_start, run_end in runs:
+                added.append(self._map_run(run_start, run_end - run_start))
+        except PageMapError:
+            for mapping in reversed(added):
+                self._unmap(mapping)
+            raise
+        self._mappings = sorted([*self._mappings, *added], key=lambda m: m.offset)
+        return sum(m.nbytes for m in added)
+
+    def release(self) -> None:
+        """Unmap every page, give the physical memory back, free the address range.
+
+        *Requires*: no tensor view is left and no graph that read the range is
+        alive (a graph's addresses would point at nothing). Refuses while a view
+        is. Calling it again does nothing.
+        """
+        if self.address == 0:
+            return
+        if self._views is not None and self._views() is not None:
+            raise RuntimeError(
+                "a tensor over this reserved range is still alive; drop every view (and "
+                "every graph that reads it) before releasing the range"
+            )
+        torch.cuda.synchronize(self.device)
+        for mapping in reversed(self._mappings):
+            self._unmap(mapping)
+        self._mappings = []
+        self._call("cuMemAddressFree", self.address, self.reserved_bytes)
+        self.address = 0
+
+    def _unmapped_runs(self, start: int, end: int) -> list[tuple[int, int]]:
+        runs, cursor = [], start
+        for m in self._mappings:
+            if m.offset + m.nbytes <= cursor or m.offset >= end:
+                continue
+            if m.offset > cursor:
+                runs.append((cursor, m.offset))
+            cursor = max(cursor, m.offset + m.nbytes)
+        if cursor < end:
+            runs.append((cursor, end))
+        return runs
+
+    def _map_run(self, offset: int, nbytes: int) -> _Mapping:
+        cu = self._cu
+        result, handle = cu.cuMemCreate(nbytes, self._prop, 0)
+        if result != cu.CUresult.CUDA_SUCCESS:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            raise PageMapError(
+                f"could not back {nbytes / _MIB:.1f} MiB of the reserved range on "
+                f"{self.device} ({self._error(result)}); the GPU has {free / _MIB:.1f} MiB "
+                "free; ask for less (a lower gpu_memory_utilization) or free memory first"
+            )
+        mapping = _Mapping(offset, nbytes, handle)
+        address = self.address + offset
+        (result,) = cu.cuMemMap(address, nbytes, 0, handle, 0)
+        if result == cu.CUresult.CUDA_SUCCESS:
+            access = cu.CUmemAccessDesc()
+            access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            access.location.id = self.device.index
+            access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            (result,) = cu.cuMemSetAccess(address, nbytes, [access], 1)
+            if result == cu.CUresult.CUDA_SUCCESS:
+                return mapping
+            cu.cuMemUnmap(address, nbytes)
+        cu.cuMemRelease(handle)
+        raise PageMapError(
+            f"could not map {nbytes / _MIB:.1f} MiB at offset {offset} of the reserved range "
+            f"on {self.device} ({self._error(result)}); nothing of this call stays mapped"
+        )
+
+    def _unmap(self, mapping: _Mapping) -> None:
+        self._call("cuMemUnmap", self.address + mapping.offset, mapping.nbytes)
+        self._call("cuMemRelease", mapping.handle)
+
+    def _allocation_prop(self) -> Any:
+        cu = self._cu
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = self.device.index
+        return prop
+
+    def _call(self, name: str, *args: Any) -> Any:
+        result, *values = getattr(self._cu, name)(*args)
+        if result != self._cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"{name} failed on {self.device}: {self._error(result)}")
+        return values[0] if values else None
+
+    def _error(self, result: Any) -> str:
+        _, name = self._cu.cuGetErrorName(result)
+        return name.decode() if isinstance(name, bytes) else str(name)
