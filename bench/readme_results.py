@@ -138,19 +138,17 @@ def block(results: Path = RESULTS) -> str:
         "",
         _summary(memory, load),
         "",
-        "**Graph memory** (MiB at driver level; vLLM's default capture sizes, H200; graphs "
-        "`compile`: vLLM's default, torch.compile with FULL_AND_PIECEWISE graphs; `FULL`: "
-        "compilation off; `bench/results/vllm_graph_memory.md` has every column):",
+        "**Graph memory** (MiB, driver level, vLLM's default capture sizes; `compile`: "
+        "vLLM's default graph mode; all columns: `bench/results/vllm_graph_memory.md`):",
         "",
         *_memory_rows(memory),
         "",
-        "**Serving** (tokens/s off and on, and the plugin's own share of a decode step; "
-        "`bench/results/vllm_load.md` has every column):",
+        "**Serving** (tokens/s, and the plugin's share of a decode step; all columns: "
+        "`bench/results/vllm_load.md`):",
         "",
         *_load_rows(load),
         "",
-        "**`vllm serve`** (API server and engine core in their own processes, concurrent "
-        "completions; `bench/results/vllm_serve.md`):",
+        "**`vllm serve`** (concurrent completions; `bench/results/vllm_serve.md`):",
         "",
         *_serve_rows(serve),
         "",
