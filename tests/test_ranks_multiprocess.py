@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -38,4 +39,18 @@ def test_on_any_rank_gives_every_rank_the_same_decision(tmp_path):
 
 
 def test_on_any_rank_alone_asks_nobody():
-    assert on_any_rank(True, None) is True and on_any_rank(0, None) is False
+    assert on_any_rank(True, None) is True and on_any_rank(False, None) is False
+    assert on_any_rank(np.bool_(True), None) is True
+
+
+@pytest.mark.parametrize(
+    ("flag", "match"),
+    [
+        (0, r"flag must be a bool, got 0 \(int\)"),
+        ("no", "flag must be a bool, got 'no'"),
+        (np.int64(1), r"flag must be a bool, got 1 \(int64\)"),
+    ],
+)
+def test_on_any_rank_refuses_what_is_no_flag(flag, match):
+    with pytest.raises(TypeError, match=match):
+        on_any_rank(flag, None)

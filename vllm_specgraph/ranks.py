@@ -25,6 +25,13 @@ def on_any_rank(flag: bool, group: Any | None) -> bool:
     of one rank asks nobody. Collective over ``group``: every rank must call it,
     in the same order as its other collectives. Not legal during capture.
     """
+    # By truth, a count or a one-element tensor would pass as a flag unseen.
+    numpy_bool = type(flag).__module__ == "numpy" and type(flag).__name__ in ("bool", "bool_")
+    if not (isinstance(flag, bool) or numpy_bool):
+        raise TypeError(
+            f"flag must be a bool, got {flag!r} ({type(flag).__name__}); pass this rank's "
+            "yes or no, e.g. bytes_left > threshold"
+        )
     if group is None or dist.get_world_size(group) == 1:
         return bool(flag)
     vote = torch.tensor([int(bool(flag))])
