@@ -48,7 +48,7 @@ def test_on_any_rank_alone_asks_nobody():
     [
         (0, r"flag must be a bool, got 0 \(int\)"),
         ("no", "flag must be a bool, got 'no'"),
-        (np.int64(1), r"flag must be a bool, got 1 \(int64\)"),
+        (np.int64(1), r"flag must be a bool, got .*\(int64\)"),
     ],
 )
 def test_on_any_rank_refuses_what_is_no_flag(flag, match):
