@@ -312,6 +312,29 @@ def test_batch_invariant_keeps_vllms_all_reduce_in_every_mode(env, monkeypatch):
     assert env.made == []
 
 
+def test_elastic_ep_keeps_vllms_all_reduce_and_mode_1_names_the_fix(env, monkeypatch, caplog):
+    """Elastic EP re-captures after releasing graphs, and vLLM's release leaves some
+    alive: the channels of the dropped ones could not be told apart, so none is made.
+    The current config is a stand-in (a VllmConfig needs a GPU platform to build);
+    vLLM's own ParallelConfig field is read."""
+    import vllm.config
+    from vllm.config import ParallelConfig
+
+    parallel = ParallelConfig()
+    assert parallel.enable_elastic_ep is False, "vLLM's default"
+    config = SimpleNamespace(parallel_config=parallel)
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: config)
+    assert _communicator(env.module).specgraph_all_reduce is not None
+    parallel.enable_elastic_ep = True
+    with caplog.at_level("INFO", logger="vllm.specgraph"):
+        assert _communicator(env.module).specgraph_all_reduce is None
+    assert any("elastic EP re-captures graphs" in r.message for r in caplog.records)
+    monkeypatch.setenv("VLLM_SPECGRAPH_ALLREDUCE", "1")
+    with pytest.raises(RuntimeError, match=r"with elastic EP .* set VLLM_SPECGRAPH_ALLREDUCE="):
+        _communicator(env.module)
+    assert len(env.made) == 1, "only the run without elastic EP made one"
+
+
 def test_peer_access_is_checked_to_the_groups_own_gpus(env):
     env.topology.group_devices = [0, 1]  # GPU 3, out of reach, is not the group's
     assert _communicator(env.module).specgraph_all_reduce is not None

@@ -17,7 +17,8 @@ head of its dispatch; vLLM's selection line names it (``SPECGRAPH_P2P``).
 ``VLLM_SPECGRAPH_ALLREDUCE`` says when: ``auto`` (default) where vLLM's selection
 line names no fast path (any backend but NCCL, by vLLM's own rules) and the user
 has not disabled custom all-reduce (``disable_custom_all_reduce``), ``1`` always,
-``0`` never; never under ``VLLM_BATCH_INVARIANT``; in the first two only if the
+``0`` never; never under ``VLLM_BATCH_INVARIANT`` or elastic EP (whose re-captures
+would leave the dropped graphs' channels behind; ``1`` raises there); in the first two only if the
 group's ranks vote that they all sit on one node, each with peer access to the
 GPUs of the others (``1`` raises otherwise, naming the fix). It serves graph captures
 only: eager calls (prefill, steps without a graph) take vLLM's own chain, since
@@ -90,6 +91,21 @@ def _wants_peer_all_reduce(communicator: Any, vllm_backends: list[str]) -> bool:
     if envs.VLLM_BATCH_INVARIANT:
         # Its sums are exact at two ranks but their order is not fixed above that.
         return _keeps_vllms(communicator, "VLLM_BATCH_INVARIANT is set")
+    if _elastic_ep():
+        # A scale event drops graphs and captures again, but vLLM's release leaves
+        # some alive (the V1 runner's drafter graphs, graphs of compiled modules
+        # nested below the model): the channels of the dropped graphs cannot be
+        # told from those still replayed, so they would pile up, outside any budget.
+        if mode == "1":
+            raise RuntimeError(
+                "VLLM_SPECGRAPH_ALLREDUCE=1 with elastic EP (enable_elastic_ep): each scale "
+                "event re-captures graphs, and the peer all-reduce's channels of the dropped "
+                "graphs would stay for the life of the process; set VLLM_SPECGRAPH_ALLREDUCE="
+                "auto (or 0) to keep vLLM's all-reduce"
+            )
+        return _keeps_vllms(
+            communicator, "elastic EP re-captures graphs, and the channels would outlive them"
+        )
     if mode == "auto":
         if not parallel_state._ENABLE_CUSTOM_ALL_REDUCE:
             return _keeps_vllms(communicator, "custom all-reduce is disabled")
@@ -107,6 +123,13 @@ def _wants_peer_all_reduce(communicator: Any, vllm_backends: list[str]) -> bool:
     return _keeps_vllms(
         communicator, "its ranks are not all on one node with peer access between their GPUs"
     )
+
+
+def _elastic_ep() -> bool:
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    return config is not None and bool(config.parallel_config.enable_elastic_ep)
 
 
 def _keeps_vllms(communicator: Any, why: str) -> bool:
