@@ -11,7 +11,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_specgraph.reserve import PageMapError, ReservedRange
+from vllm_specgraph.reserve import (
+    PageMapError,
+    ReservedRange,
+    StridedPlacement,
+    blocks_within,
+    page_runs,
+)
 
 MIB = 1 << 20
 OK, OUT_OF_MEMORY, INVALID = 0, 2, 1
@@ -183,7 +189,7 @@ def test_release_is_refused_while_a_view_is_alive(driver, monkeypatch):
 
 def test_mapping_beyond_the_range_is_refused_before_any_page(driver):
     reserved = ReservedRange(4 * MIB, "cuda:0", driver=driver)
-    with pytest.raises(ValueError, match=r"reaches byte 5242880, beyond the 4194304 reserved"):
+    with pytest.raises(ValueError, match=r"reach byte 5242880, beyond the 4194304 reserved"):
         reserved.map(4 * MIB, MIB)
     assert driver.handles == {}
 
@@ -216,3 +222,53 @@ def test_without_cuda_bindings_the_error_names_the_package(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_cuda)
     with pytest.raises(RuntimeError, match="needs NVIDIA's cuda-bindings package"):
         ReservedRange(MIB, "cuda:0")
+
+
+def test_runs_over_several_pages_map_all_or_none(driver):
+    driver.physical_free = 6 * MIB
+    reserved = ReservedRange(32 * MIB, "cuda:0", driver=driver)
+    with pytest.raises(PageMapError):
+        reserved.map_runs([(0, MIB), (8 * MIB, 9 * MIB), (16 * MIB, 22 * MIB)])
+    assert (reserved.mapped_bytes, driver.mapped, driver.physical_free) == (0, {}, 6 * MIB)
+    assert reserved.map_runs([(0, MIB), (8 * MIB, 9 * MIB)]) == 4 * MIB
+    assert _offsets(driver, reserved) == [(0, 2 * MIB), (8 * MIB, 2 * MIB)]
+
+
+def test_page_runs_widen_to_pages_and_merge_what_meets():
+    assert page_runs([(5, 6), (0, 1), (3 * MIB, 4 * MIB + 1)], 2 * MIB) == [(0, 6 * MIB)]
+    assert page_runs([(0, 1), (2 * MIB, 2 * MIB + 1)], 2 * MIB) == [(0, 4 * MIB)]
+    assert page_runs([(4 * MIB, 5 * MIB)], 2 * MIB) == [(4 * MIB, 6 * MIB)]
+    with pytest.raises(ValueError, match=r"0 <= start < end, got \(3, 3\)"):
+        page_runs([(3, 3)], 2 * MIB)
+
+
+def test_blocks_of_a_layer_outermost_placement_are_one_run_per_layer():
+    page = 64 << 10
+    placement = StridedPlacement(
+        0, layer_stride=page * 1000, block_stride=page, num_layers=3, page_bytes=page
+    )
+    assert placement.runs(10) == [
+        (0, 10 * page),
+        (1000 * page, 1010 * page),
+        (2000 * page, 2010 * page),
+    ]
+    assert placement.runs(0) == []
+
+
+def test_blocks_of_a_block_outermost_placement_are_one_prefix():
+    page = 64 << 10
+    placement = StridedPlacement(
+        page, layer_stride=page, block_stride=4 * page, num_layers=4, page_bytes=page
+    )
+    runs = placement.runs(8)
+    assert page_runs(runs, page) == [(page, page + 32 * page)]
+
+
+def test_blocks_within_takes_the_most_blocks_whose_pages_fit():
+    page, granularity = 512 << 10, 2 * MIB  # four blocks of a layer per driver page
+    layer_outermost = StridedPlacement(0, 1000 * page, page, num_layers=2, page_bytes=page)
+    # two layers: n blocks take 2 * ceil(n / 4) pages of 2 MiB
+    assert blocks_within([layer_outermost], 8 * MIB, granularity, 1000) == 8
+    assert blocks_within([layer_outermost], 8 * MIB - 1, granularity, 1000) == 4
+    assert blocks_within([layer_outermost], 0, granularity, 1000) == 0
+    assert blocks_within([layer_outermost], 1 << 40, granularity, 1000) == 1000

@@ -22,7 +22,13 @@ import torch
 
 from vllm_specgraph._checks import check_device, check_int
 
-__all__ = ["PageMapError", "ReservedRange"]
+__all__ = [
+    "PageMapError",
+    "ReservedRange",
+    "StridedPlacement",
+    "blocks_within",
+    "page_runs",
+]
 
 _MIB = 1 << 20
 
@@ -135,20 +141,24 @@ class ReservedRange:
         """
         check_int("offset", offset, 0, "pass a byte offset into the range")
         check_int("nbytes", nbytes, 1, "pass how many bytes to back")
+        return self.map_runs([(offset, offset + nbytes)])
+
+    def map_runs(self, runs: list[tuple[int, int]]) -> int:
+        """Back every ``(start, end)`` byte run, as :meth:`map` backs one, all or none:
+        a failure in any run leaves the range as it was. Returns the bytes newly mapped."""
         if self.address == 0:
             raise RuntimeError("this reserved range was released; make a new one")
-        g = self.granularity
-        start, end = offset // g * g, -(-(offset + nbytes) // g) * g
-        if end > self.reserved_bytes:
+        pages = page_runs(runs, self.granularity)
+        if pages and pages[-1][1] > self.reserved_bytes:
             raise ValueError(
-                f"map({offset}, {nbytes}) reaches byte {offset + nbytes}, beyond the "
+                f"the runs reach byte {max(end for _, end in runs)}, beyond the "
                 f"{self.reserved_bytes} reserved; reserve a larger range"
             )
-        runs = self._unmapped_runs(start, end)
         added: list[_Mapping] = []
         try:
-            for run_start, run_end in runs:
-                added.append(self._map_run(run_start, run_end - run_start))
+            for start, end in pages:
+                for run_start, run_end in self._unmapped_runs(start, end):
+                    added.append(self._map_run(run_start, run_end - run_start))
         except PageMapError:
             for mapping in reversed(added):
                 self._unmap(mapping)
@@ -238,3 +248,64 @@ class ReservedRange:
     def _error(self, result: Any) -> str:
         _, name = self._cu.cuGetErrorName(result)
         return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def page_runs(runs: list[tuple[int, int]], granularity: int) -> list[tuple[int, int]]:
+    """``(start, end)`` byte runs widened to whole pages, merged where they meet, sorted."""
+    pages: list[tuple[int, int]] = []
+    for start, end in sorted(runs):
+        if start < 0 or end <= start:
+            raise ValueError(
+                f"a byte run must have 0 <= start < end, got ({start}, {end}); pass "
+                "(offset, offset + nbytes)"
+            )
+        first, last = start // granularity * granularity, -(-end // granularity) * granularity
+        if pages and first <= pages[-1][1]:
+            pages[-1] = (pages[-1][0], max(pages[-1][1], last))
+        else:
+            pages.append((first, last))
+    return pages
+
+
+@dataclass(frozen=True)
+class StridedPlacement:
+    """Where same-shaped layers keep their blocks in one allocation.
+
+    Layer ``l``'s page of block ``b`` (``page_bytes`` long) starts at
+    ``offset + l * layer_stride + b * block_stride``: one run per layer where each
+    layer has a region of its own, one run for all where blocks are outermost.
+    """
+
+    offset: int
+    layer_stride: int
+    block_stride: int
+    num_layers: int
+    page_bytes: int
+
+    def runs(self, num_blocks: int) -> list[tuple[int, int]]:
+        """The byte runs that hold blocks ``0 .. num_blocks - 1`` of every layer."""
+        if num_blocks <= 0:
+            return []
+        span = (num_blocks - 1) * self.block_stride + self.page_bytes
+        starts = (self.offset + layer * self.layer_stride for layer in range(self.num_layers))
+        return [(start, start + span) for start in starts]
+
+
+def blocks_within(
+    placements: list[StridedPlacement], budget_bytes: int, granularity: int, max_blocks: int
+) -> int:
+    """The most blocks (at most ``max_blocks``) whose pages, over every placement, fit
+    in ``budget_bytes`` once widened to ``granularity``."""
+
+    def pages_bytes(num_blocks: int) -> int:
+        runs = [run for p in placements for run in p.runs(num_blocks)]
+        return sum(end - start for start, end in page_runs(runs, granularity))
+
+    low, high = 0, max_blocks
+    while low < high:  # the largest count that fits: pages grow with the count
+        middle = (low + high + 1) // 2
+        if pages_bytes(middle) <= budget_bytes:
+            low = middle
+        else:
+            high = middle - 1
+    return low
