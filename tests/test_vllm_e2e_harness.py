@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -38,8 +37,6 @@ run_llm = _load("run_llm")
 summarize = _load("summarize")
 memory_budget = run_llm.memory_budget  # run_llm's own: scripts/vllm_e2e is on sys.path
 workloads = run_llm.workloads
-summarize_load = summarize.summarize_load
-summarize_table = summarize.summarize_table
 
 
 @pytest.fixture(autouse=True)
@@ -566,7 +563,7 @@ def test_wrappers_record_the_workers_budget_and_the_step():
     assert m["capture_started"] is True
     # Held since the snapshot: retained + KV + actual; the limit at rest is
     # requested - headroom = KV + estimate: over by retained + actual - estimate.
-    assert memory_budget.over_budget_bytes(m) == (32 + 36 - 41) * MiB
+    assert summarize.over_budget_bytes(m) == (32 + 36 - 41) * MiB
     assert m["free_at_rest_bytes"] - m["free_after_step_bytes"] == 150 * MiB
     assert m["step_reserved_peak_bytes"] == 150 * MiB
     assert r["tokens"] == [[1, 2]] and r["spec"]["acceptance_rate"] == 0.4
@@ -593,12 +590,12 @@ def test_no_estimate_switch_leaves_the_graphs_out_of_the_budget(monkeypatch):
     m = r["mem"]
     assert m["graph_estimate_applied_bytes"] == 0
     assert m["activation_headroom_bytes"] == HEADROOM
-    assert memory_budget.over_budget_bytes(m) == (32 + 36) * MiB
+    assert summarize.over_budget_bytes(m) == (32 + 36) * MiB
 
 
 def test_worker_budget_is_empty_without_a_profile():
     assert memory_budget.worker_budget(SimpleNamespace(), True) == {}
-    assert memory_budget.over_budget_bytes({"init_free_bytes": 1}) is None
+    assert summarize.over_budget_bytes({"init_free_bytes": 1}) is None
 
 
 def test_peak_and_load_requests():
@@ -835,22 +832,22 @@ def load_run(
 
 
 def _load_cells(row: dict) -> dict[str, str]:
-    return dict(zip(summarize_load.COLUMNS, summarize_load.row_cells(row), strict=True))
+    return dict(zip(summarize.LOAD_COLUMNS, summarize.load_cells(row), strict=True))
 
 
 def test_load_row_fails_when_on_is_slower_than_the_target_or_tokens_differ():
-    row = summarize_load.build_row("1b", "draft", [load_run([1000.0])], [load_run([970.0])])
+    row = summarize.build_load_row("1b", "draft", [load_run([1000.0])], [load_run([970.0])])
     assert row["status"] == "FAIL (on/off 0.970)"
-    row = summarize_load.build_row("1b", "draft", [load_run([1000.0])], [load_run([980.0])])
+    row = summarize.build_load_row("1b", "draft", [load_run([1000.0])], [load_run([980.0])])
     assert row["status"] == "PASS"
     # Faster with the plugin on is the runs' spread, not a cost: shown, not failed.
-    row = summarize_load.build_row("1b", "draft", [load_run([1000.0])], [load_run([1100.0])])
+    row = summarize.build_load_row("1b", "draft", [load_run([1000.0])], [load_run([1100.0])])
     assert (row["ratio_on_off_median"], row["status"]) == (1.1, "PASS")
-    row = summarize_load.build_row(
+    row = summarize.build_load_row(
         "1b", "draft", [load_run([1000.0])], [load_run([1000.0], tokens=[[2]])]
     )
     assert row["status"] == "FAIL (tokens differ: on r1 from off r1)"
-    row = summarize_load.build_row("1b", "draft", [], [load_run([1000.0], tokens=[[2]])])
+    row = summarize.build_load_row("1b", "draft", [], [load_run([1000.0], tokens=[[2]])])
     assert row["status"] == "FAIL (tokens missing; no tokens/s)"
 
 
@@ -865,7 +862,7 @@ def test_load_row_pools_the_rounds_and_checks_the_ratio_of_the_medians():
         load_run([97.0, 99.0], 1, steps=[3.0, 2.9], spec=(10, 30, 15)),
         load_run([96.0, 99.0], 2, steps=[3.1, 2.9], spec=(10, 30, 15)),
     ]
-    row = summarize_load.build_row("1b", "draft", offs, ons)
+    row = summarize.build_load_row("1b", "draft", offs, ons)
     assert row["tokens_per_s_off"] == {"median": 97.0, "best": 110.0, "lowest": 95.0}
     assert row["tokens_per_s_on"] == {"median": 98.0, "best": 99.0, "lowest": 96.0}
     assert row["ratio_on_off_median"] == round(98 / 97, 4)
@@ -887,7 +884,7 @@ def test_load_row_pools_the_rounds_and_checks_the_ratio_of_the_medians():
     assert cells["engine step ms off / on (median)"] == "3.05 / 2.95"
     assert cells["step on / off"] == "0.967"
     # Drift that favours the run that comes later cancels over an ABBA pair.
-    drift = summarize_load.build_row(
+    drift = summarize.build_load_row(
         "1b",
         "draft",
         [load_run([100.0], 1), load_run([103.0], 2)],
@@ -900,11 +897,11 @@ def test_load_row_pools_the_rounds_and_checks_the_ratio_of_the_medians():
 def test_load_row_fails_when_any_round_differs_in_its_tokens():
     offs = [load_run([100.0], 1), load_run([100.0], 2)]
     ons = [load_run([100.0], 1), load_run([100.0], 2, tokens=[[1, 9]])]
-    row = summarize_load.build_row("1b", "draft", offs, ons)
+    row = summarize.build_load_row("1b", "draft", offs, ons)
     assert row["tokens_equal_on_off"] is False and row["tokens_differing"] == ["on r2"]
     assert row["status"] == "FAIL (tokens differ: on r2 from off r1)"
     offs[1]["tokens"] = [[1, 9]]  # off and on of round 2 agree, round 1 does not
-    row = summarize_load.build_row("1b", "draft", offs, ons)
+    row = summarize.build_load_row("1b", "draft", offs, ons)
     assert row["tokens_differing"] == ["off r2", "on r2"] and not row["pass"]
     assert _load_cells(row)["tokens equal (all runs)"] == "False"
 
@@ -921,15 +918,15 @@ def test_load_row_names_where_each_run_got_its_compiled_graphs(tmp_path):
     cached = "[backbone] Directly load the compiled graph(s) for compile range (1, 2048)\n"
     offs = [with_log(load_run([100.0]), "off.log", compiled)]
     ons = [with_log(load_run([100.0], tokens=[[1, 9]]), "on.log", cached)]
-    row = summarize_load.build_row("8b-compile", "accept", offs, ons)
+    row = summarize.build_load_row("8b-compile", "accept", offs, ons)
     assert row["compile_sources"] == {"off r1": "compiled", "on r1": "cache"}
     assert row["status"] == (
         "FAIL (tokens differ: on r1 from off r1 (torch.compile: off r1 compiled, on r1 cache))"
     )
     ons = [with_log(load_run([100.0], tokens=[[1, 9]]), "on2.log", compiled)]
-    row = summarize_load.build_row("8b-compile", "accept", offs, ons)
+    row = summarize.build_load_row("8b-compile", "accept", offs, ons)
     assert row["status"] == "FAIL (tokens differ: on r1 from off r1)"
-    full = summarize_load.build_row("1b", "accept", [load_run([1.0])], [load_run([1.0])])
+    full = summarize.build_load_row("1b", "accept", [load_run([1.0])], [load_run([1.0])])
     assert full["compile_sources"] is None
 
 
@@ -960,7 +957,7 @@ def test_load_rows_from_the_rounds_that_ran(tmp_path, capsys):
     assert "SUMMARY: all runs ok=False (3/3), rows PASS=1/1" in printed
     # A run that stopped before its repeats adds nothing either.
     failed = {"ok": False, "stage": "init", "load_round": 2}
-    row = summarize_load.build_row("1b", "draft", [load_run([100.0]), failed], [load_run([100.0])])
+    row = summarize.build_load_row("1b", "draft", [load_run([100.0]), failed], [load_run([100.0])])
     assert (row["runs_off"], row["status"]) == (1, "PASS")
 
 
@@ -968,28 +965,35 @@ def test_load_row_compares_with_no_speculator_and_names_its_commit():
     offs = [load_run([100.0]) | {"commit": "abc"}]
     ons = [load_run([99.0]) | {"commit": "abc"}, load_run([101.0], 2) | {"commit": "abd"}]
     base = [load_run([50.0]), load_run([40.0], 2), {"ok": False}]
-    row = summarize_load.build_row("1b", "accept", offs, ons, base)
+    row = summarize.build_load_row("1b", "accept", offs, ons, base)
     assert row["tokens_per_s_no_speculator"] == 45.0
     assert row["ratio_on_no_speculator"] == round(100 / 45, 4)
     assert row["commit"] == "abc abd"
     cells = _load_cells(row)
     assert (cells["on / no speculator"], cells["commit"]) == ("2.222", "abc abd")
-    alone = summarize_load.build_row("1b", "base", base, base)
+    alone = summarize.build_load_row("1b", "base", base, base)
     assert alone["ratio_on_no_speculator"] is None and alone["commit"] is None
 
 
-def test_load_write_carries_only_rows_that_name_their_commit(tmp_path):
-    measured = summarize_load.build_row(
-        "tiny", "draft", [load_run([10.0]) | {"commit": "abc"}], [load_run([10.0])]
-    )
-    unnamed = summarize_load.build_row("8b", "draft", [load_run([10.0])], [load_run([10.0])])
-    first, _ = summarize_load.write([measured, unnamed], str(tmp_path / "a"))
-    new = summarize_load.build_row("1b", "draft", [load_run([100.0])], [load_run([100.0])])
-    second, _ = summarize_load.write([new], str(tmp_path / "b"), first)
-    doc = json.loads(Path(second).read_text())
-    assert doc["schema"] == summarize_load.SCHEMA
+def test_load_rows_carried_over_only_if_they_name_their_commit(tmp_path):
+    def write(out, name: str, rate: float, commit: str | None) -> None:
+        size, case, switch = name.split("-")[:3]
+        run = load_run([rate]) | {"size": size, "case": case, "workload": "load"}
+        run |= {"plugin": {"switch": switch}, "commit": commit}
+        out.mkdir(exist_ok=True)
+        (out / f"{name}.json").write_text(json.dumps(run))
+
+    for name in ("tiny-draft-off", "tiny-draft-on", "8b-draft-off", "8b-draft-on"):
+        write(tmp_path / "a", name, 10.0, "abc" if name == "tiny-draft-off" else None)
+    summarize.main([str(tmp_path / "a"), "--results", str(tmp_path / "ra")])
+    for switch in ("off", "on"):
+        write(tmp_path / "b", f"1b-draft-{switch}", 100.0, None)
+    previous = str(tmp_path / "ra" / "vllm_graph_memory.json")
+    summarize.main([str(tmp_path / "b"), "--results", str(tmp_path / "rb"), "--previous", previous])
+    doc = json.loads((tmp_path / "rb" / "vllm_load.json").read_text())
+    assert doc["schema"] == 3
     assert [(r["size"], r["commit"]) for r in doc["rows"]] == [("1b", None), ("tiny", "abc")]
-    markdown = (tmp_path / "b" / "vllm_load.md").read_text()
+    markdown = (tmp_path / "rb" / "vllm_load.md").read_text()
     assert "| tiny | draft | 2 | 1 / 1 | 10 (10 - 10) |" in markdown
 
 
@@ -1651,10 +1655,10 @@ def test_load_row_checks_the_plugin_share_where_it_was_measured():
         return run
 
     # Wall-clock spread of a host-bound step is shown, the measured share decides.
-    row = summarize_load.build_row("1b", "accept", [load_run([1000.0])], [on_run(900.0, 0.0004)])
+    row = summarize.build_load_row("1b", "accept", [load_run([1000.0])], [on_run(900.0, 0.0004)])
     assert (row["status"], row["ratio_on_off_median"]) == ("PASS", 0.9)
     assert _load_cells(row)["plugin share of a step (us)"] == "0.040% (12)"
-    row = summarize_load.build_row(
+    row = summarize.build_load_row(
         "1b", "accept", [load_run([1000.0])], [on_run(1000.0, 0.001), on_run(1000.0, 0.03)]
     )
     assert row["status"] == "FAIL (plugin share 3.00%)"

@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import pytest
 
-from tests.test_vllm_e2e_harness import SCRIPTS, _load
+from tests.test_vllm_e2e_harness import SCRIPTS, _load, summarize
 
 serve = _load("serve")
 run_llm = serve.run_llm
@@ -249,14 +249,15 @@ def _run(plugin: str, tokens: list[list[int]], **extra: object) -> dict:
 
 
 def test_compare_passes_only_equal_tokens_logs_and_clean_exits():
-    assert serve.compare(_run("off", [[1, 2]]), _run("on", [[1, 2]]))["check"] == "PASS"
-    row = serve.compare(_run("off", [[1, 2]]), _run("on", [[1, 3]]))
+    assert summarize.serve_row(_run("off", [[1, 2]]), _run("on", [[1, 2]]))["check"] == "PASS"
+    row = summarize.serve_row(_run("off", [[1, 2]]), _run("on", [[1, 3]]))
     assert row["check"] == "FAIL (tokens equal)"
-    row = serve.compare(_run("off", [[1]]), _run("on", [[1]], clean_shutdown=False, log_ok=False))
+    on = _run("on", [[1]], clean_shutdown=False, log_ok=False)
+    row = summarize.serve_row(_run("off", [[1]]), on)
     assert row["check"] == "FAIL (plugin lines in the server log, clean shutdown)"
-    row = serve.compare(_run("off", None, ok=False), _run("on", None))
+    row = summarize.serve_row(_run("off", None, ok=False), _run("on", None))
     assert row["check"].startswith("FAIL (both ran, tokens equal")
-    text = serve.table([serve.compare(_run("off", [[1]]), _run("on", [[1]]))])
+    text = summarize.serve_markdown([summarize.serve_row(_run("off", [[1]]), _run("on", [[1]]))])
     assert "| 1b | compile | draft | 1 | 40.0 / 40.0 |" in text
     assert "2026-12-02 01:30, abc1234" in text
 

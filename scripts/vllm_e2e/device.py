@@ -349,7 +349,7 @@ class Device:
                     + "-" * 16,
                     flush=True,
                 )
-                args = [serve_py, "run", "--size", size, "--case", case, "--plugin", plugin]
+                args = [serve_py, "--size", size, "--case", case, "--plugin", plugin]
                 proc = self.launch(
                     0, [*args, "--graph-mode", graphs, "--out", out + "-serve.json"], left, None
                 )
@@ -366,7 +366,8 @@ class Device:
                     )
             pair = [paths[p] + "-serve.json" for p in ("off", "on")]
             results = ["--results", os.path.join(k.out, "serve", f"{size}-{case}-{graphs}")]
-            failed |= bool(call(["python3", serve_py, "compare", *pair, *results]))
+            summarize = ["python3", os.path.join(HERE, "summarize.py"), "--serve"]
+            failed |= bool(call([*summarize, *pair, *results]))
         return failed
 
     def demo(self) -> int:

@@ -2,10 +2,9 @@
 """``vllm serve`` with the plugin off or on: start-up, concurrent completions
 through the ``openai`` client, the server's own log, and a clean SIGINT.
 
-    python3 serve.py run --size 1b --case draft --plugin on --out on.json
-    python3 serve.py compare off.json on.json --results DIR
+    python3 serve.py --size 1b --case draft --plugin on --out on.json
 
-``run`` starts ``python -m vllm.entrypoints.cli.main serve`` (the API server,
+It starts ``python -m vllm.entrypoints.cli.main serve`` (the API server,
 and vLLM's engine core in a process of its own) with run_llm.py's engine
 settings as command-line flags, the same dummy weights refilled by name
 (through the dev endpoint ``/collective_rpc`` and run_llm.py's worker extension,
@@ -15,8 +14,7 @@ the server is paused, so that every run schedules the same queue), greedy and to
 their full length. It reads the engine's figures back, sends the
 server SIGINT and checks that no process of it is left and that the GPU's used
 memory is back where it was before the server started (driver level, through
-``nvidia-smi``). ``compare`` checks two runs (tokens equal, plugin lines in the
-on run's log) and writes ``vllm_serve.{json,md}``.
+``nvidia-smi``). ``summarize.py --serve`` compares the off and on runs.
 """
 
 from __future__ import annotations
@@ -302,66 +300,9 @@ def _finish(result: dict[str, Any], server: subprocess.Popen, log_path: str, arg
     return 0 if result["ok"] and result["log_ok"] and result["clean_shutdown"] else 1
 
 
-def compare(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
-    """One row: the two runs side by side, and whether the on run passes."""
-    checks = {
-        "both ran": bool(off.get("ok") and on.get("ok")),
-        "tokens equal": off.get("tokens") is not None and off.get("tokens") == on.get("tokens"),
-        "plugin lines in the server log": bool(on.get("log_ok") and off.get("log_ok")),
-        "clean shutdown": bool(off.get("clean_shutdown") and on.get("clean_shutdown")),
-    }
-    failed = [name for name, ok in checks.items() if not ok]
-    return {
-        "size": on.get("size"),
-        "case": on.get("case"),
-        "graph_mode": on.get("graph_mode"),
-        "requests": on.get("requests"),
-        "startup_s": [off.get("startup_s"), on.get("startup_s")],
-        "seconds": [off.get("seconds"), on.get("seconds")],
-        "shutdown_s": [off.get("shutdown_s"), on.get("shutdown_s")],
-        "gpu_left_mib": [off.get("gpu_left_mib"), on.get("gpu_left_mib")],
-        "log_lines_on": on.get("log_lines"),
-        "checks": checks,
-        "check": "PASS" if not failed else "FAIL (" + ", ".join(failed) + ")",
-        "commit": on.get("commit"),
-        "measured_utc": on.get("measured_utc"),
-    }
-
-
-def _pair(values: list[Any]) -> str:
-    return " / ".join(
-        "-" if v is None else f"{v:.1f}" if isinstance(v, float) else f"{v}" for v in values
-    )
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    head = (
-        "| size | graphs | speculator | requests, all at once | ready after s off / on "
-        "| completions s off / on | SIGINT to exit s off / on | GPU MiB left off / on "
-        "| check | measured (UTC), commit |\n|---|---|---|---:|---:|---:|---:|---:|---|---|\n"
-    )
-    lines = [
-        f"| {r['size']} | {r['graph_mode']} | {r['case']} | {r['requests']} "
-        f"| {_pair(r['startup_s'])} | {_pair(r['seconds'])} | {_pair(r['shutdown_s'])} "
-        f"| {_pair(r['gpu_left_mib'])} | {r['check']} | {r['measured_utc']}, {r['commit']} |"
-        for r in rows
-    ]
-    return head + "\n".join(lines) + "\n"
-
-
-def _load_run(path: str) -> dict[str, Any]:
-    """A run's result; a run that left none (skipped, killed) did not run."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        return {"ok": False, "error": f"no result in {path}: {e}"}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run")
+    r = ap
     r.add_argument("--size", choices=sorted(run_llm.SIZES), default="1b")
     r.add_argument("--case", choices=run_llm.CASES, default="draft")
     r.add_argument("--plugin", choices=("off", "on"), required=True)
@@ -374,23 +315,9 @@ def main() -> int:
     r.add_argument("--shutdown-limit", type=float, default=60)
     r.add_argument("--num-spec", type=int, default=3)
     r.add_argument("--out", required=True)
-    c = sub.add_parser("compare")
-    c.add_argument("off")
-    c.add_argument("on")
-    c.add_argument("--results", required=True)
     args = ap.parse_args()
-    if args.cmd == "run":
-        args.dtype = args.gpu_mem_util = None
-        return run(args)
-    row = compare(_load_run(args.off), _load_run(args.on))
-    os.makedirs(args.results, exist_ok=True)
-    with open(os.path.join(args.results, "vllm_serve.json"), "w") as f:
-        json.dump({"rows": [row]}, f, indent=1)
-    text = table([row])
-    with open(os.path.join(args.results, "vllm_serve.md"), "w") as f:
-        f.write("# `vllm serve`: vllm-specgraph off and on\n\n" + text)
-    print(text + f"plugin lines in the on run's server log: {row['log_lines_on']}")
-    return 0 if row["check"] == "PASS" else 1
+    args.dtype = args.gpu_mem_util = None
+    return run(args)
 
 
 if __name__ == "__main__":
