@@ -35,8 +35,7 @@ def _load(name: str) -> ModuleType:
 
 run_llm = _load("run_llm")
 summarize = _load("summarize")
-memory_budget = run_llm.memory_budget  # run_llm's own: scripts/vllm_e2e is on sys.path
-workloads = run_llm.workloads
+memory_budget = workloads = e2e_worker = run_llm
 
 
 @pytest.fixture(autouse=True)
@@ -1301,8 +1300,6 @@ def test_device_script_flags_for_a_full_step_at_a_chosen_limit_and_memory_histor
 
 # ---- tensor parallelism (--tp > 1) ----------------------------------------------
 
-e2e_worker = _load("e2e_worker")
-
 
 def _tp_args(tp: int, custom_all_reduce: bool = False) -> SimpleNamespace:
     return SimpleNamespace(
@@ -1336,12 +1333,12 @@ def test_engine_kwargs_for_tensor_parallelism():
         "tensor_parallel_size": 2,
         "distributed_executor_backend": "mp",
         "disable_custom_all_reduce": True,
-        "worker_extension_cls": "e2e_worker.E2EWorkerExtension",
+        "worker_extension_cls": "run_llm.E2EWorkerExtension",
     }
     assert {k: v for k, v in two.items() if k not in tp_keys} == one
     assert run_llm.llm_kwargs(_tp_args(2, True), preset)["disable_custom_all_reduce"] is False
     module, cls = run_llm.WORKER_EXTENSION.rsplit(".", 1)
-    assert module == "e2e_worker" and hasattr(e2e_worker, cls)
+    assert module == "run_llm" and hasattr(run_llm, cls)
 
 
 @pytest.fixture
@@ -1362,8 +1359,8 @@ def test_worker_extension_measures_and_reports_a_rank(worker_state):
     cuda = FakeCuda()
     runner_cls, worker_cls = fake_classes(cuda, 41 * MiB, 2 * MiB, 36 * MiB, 7 << 30)
     report = _plugin_report({"target": 36 * MiB}, {"target": 36 * MiB})
-    mem = e2e_worker.install(1, runner_cls, worker_cls, cuda)
-    assert e2e_worker.install(1, runner_cls, worker_cls, cuda) is mem  # once per process
+    mem = e2e_worker.install_in_worker(1, runner_cls, worker_cls, cuda)
+    assert e2e_worker.install_in_worker(1, runner_cls, worker_cls, cuda) is mem  # once per process
     assert json.loads((worker_state / "rank1.json").read_text())["mem"] == {}
     worker_cls().determine_available_memory()
     runner_cls().capture_model()
@@ -1527,7 +1524,7 @@ def test_worker_extension_hook_installs_on_vllms_classes(
     except Exception as e:  # pragma: no cover - environment-dependent
         pytest.skip(f"vLLM's worker modules not importable here: {e!r}")
     calls = []
-    monkeypatch.setattr(e2e_worker, "install", lambda *a: calls.append(a))
+    monkeypatch.setattr(e2e_worker, "install_in_worker", lambda *a: calls.append(a))
 
     class PluginLogTap(logging.Handler):  # what a forked worker inherits
         def emit(self, record: logging.LogRecord) -> None:

@@ -184,7 +184,7 @@ def completions_server():
 
 
 def test_client_queues_every_request_while_paused_then_reads_token_ids(completions_server):
-    requests = serve.workloads.load_requests(1000, 12, 256, seed=3)
+    requests = serve.run_llm.load_requests(1000, 12, 256, seed=3)
     tokens, seconds = serve.complete_all(completions_server, "m", requests, settle_s=1.0)
     assert tokens == [[ids[-1] + i + 1 for i in range(n)] for ids, n in requests]
     assert len({len(ids) for ids, _ in requests}) > 1  # mixed prompt lengths

@@ -38,7 +38,6 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 import run_llm  # noqa: E402  (this directory, made importable just above)
-import workloads  # noqa: E402
 
 ARMED = "vllm-specgraph armed for vLLM 0.33"
 OFF = "vllm-specgraph is installed but off"
@@ -89,7 +88,7 @@ def log_ok(found: dict[str, bool], switch: str) -> bool:
 def complete_all(
     url: str,
     model: str,
-    requests: list[workloads.Request],
+    requests: list[run_llm.Request],
     settle_s: float = 2.0,
     stagger_s: float = 0.05,
     client_factory: Any = None,
@@ -112,7 +111,7 @@ def complete_all(
     client = client_factory()
     sent = threading.Semaphore(0)
 
-    def one(request: workloads.Request) -> list[int]:
+    def one(request: run_llm.Request) -> list[int]:
         ids, max_tokens = request
         sent.release()
         out = client.completions.create(
@@ -237,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     )
     with open(os.path.join(args.model, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
-    requests = workloads.load_requests(vocab, args.requests, preset["max_model_len"], args.seed)
+    requests = run_llm.load_requests(vocab, args.requests, preset["max_model_len"], args.seed)
     with open(log_path, "w") as log:
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
