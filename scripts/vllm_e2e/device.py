@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import filecmp
 import glob
 import itertools
 import os
@@ -18,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
 from types import SimpleNamespace
@@ -110,8 +112,8 @@ def knobs(env: dict[str, str]) -> SimpleNamespace:
         raise refuse("MODE=serve runs TP=1, CAPTURE=default and ALLOCATOR=default only")
     if mode == "serve" and (k.util or k.memory_history == "1"):
         raise refuse("MODE=serve takes neither UTIL nor MEMORY_HISTORY")
-    k.out = env.get("OUT") or "/tmp/vllm-e2e-out"
-    k.work = env.get("E2E_WORK") or "/tmp/vllm-e2e"
+    k.out = os.path.abspath(env.get("OUT") or "/tmp/vllm-e2e-out")
+    k.work = os.path.abspath(env.get("E2E_WORK") or "/tmp/vllm-e2e")
     k.load_requests = env.get("LOAD_REQUESTS") or "256"
     k.load_repeats = env.get("LOAD_REPEATS") or "2"
     # The end of a run's name and of its table group: -expandable-utilU-tpN.
@@ -389,6 +391,113 @@ class Device:
         return rcs[0] if rcs[1] == 0 else 1
 
 
+# ---- setup: vLLM's tree, the stand-ins, the plugin ----------------------------------
+
+FA_GUARD = "if not (FA2_AVAILABLE or FA3_AVAILABLE):\n"  # vllm/vllm_flash_attn/__init__.py
+FA_WARN = "    import warnings as _w  # vllm-e2e shim: no FA .so carried\n    _w.warn(\n"
+NAMESPACES = "_C|_C_cache_ops|_C_cuda_utils|_C_custom_ar"
+OP_REF = re.compile(rf"torch\.ops\.({NAMESPACES})\.([A-Za-z_0-9]+)")
+OP_PROBE = re.compile(rf"hasattr\(\s*torch\.ops\.({NAMESPACES})\s*,\s*[\"']([A-Za-z_0-9]+)[\"']")
+# The package's build staged from a clean copy, so that no build/ or *.egg-info of
+# the repository leaks into it; the readme is pyproject.toml's.
+STAGED = ("pyproject.toml", "setup.cfg", "setup.py", "MANIFEST.in", "README.md", "docs/package.md")
+CHECK = """import sys
+from importlib.metadata import entry_points
+from importlib.util import find_spec
+site = sys.argv[1]
+eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "specgraph"]
+assert len(eps) == 1, f"expected one 'specgraph' entry point, found {eps}"
+loc, origin = str(eps[0].dist.locate_file("")), find_spec(eps[0].module).origin
+assert loc.startswith(site), f"entry point's distribution is at {loc}, not under {site}"
+assert origin.startswith(site), f"{eps[0].module} would be imported from {origin}"
+print(f"entry point {eps[0].value} ({eps[0].dist.name} {eps[0].dist.version}) -> {origin}")
+"""  # found, not run: the package may import vLLM, which is not on this interpreter's path
+
+
+def apply_shims(tree: str) -> None:
+    """The stand-in for vllm._C_stable_libtorch; the list of every torch.ops name
+    vLLM's Python refers to without a hasattr probe (defining a probed one would
+    flip a guard), which the stand-in defines as ops that raise; and the FA guard
+    turned into a warning (an exact edit that must match once)."""
+    shutil.copyfile(
+        os.path.join(HERE, "_C_stable_libtorch.py"), f"{tree}/vllm/_C_stable_libtorch.py"
+    )
+    refs, probed = set(), set()
+    for top, _, files in os.walk(f"{tree}/vllm"):
+        for name in (f for f in files if f.endswith(".py")):
+            with open(os.path.join(top, name), encoding="utf-8") as f:
+                text = f.read()
+            refs.update(OP_REF.findall(text))
+            probed.update(OP_PROBE.findall(text))
+    names = sorted(f"{ns}::{name}" for ns, name in refs - probed)
+    with open(f"{tree}/vllm/_C_stable_libtorch_placeholders.txt", "w") as f:
+        f.write("\n".join(names) + "\n")
+    print(f"placeholders: {len(names)} op names referenced without a hasattr probe")
+    with open(path := f"{tree}/vllm/vllm_flash_attn/__init__.py") as f:
+        text = f.read()
+    old = FA_GUARD + "    raise ImportError(\n"
+    if (n := text.count(old)) != 1:
+        raise refuse(f"{path}: expected 1 match, found {n}")
+    with open(path, "w") as f:  # no FA .so is carried: the Triton backend is selected
+        f.write(text.replace(old, FA_GUARD + FA_WARN))
+
+
+def install_plugin(site: str) -> bool:
+    """The repository's package into ``site`` with pip (or, where pip cannot build it,
+    copied with a dist-info written from pyproject.toml), then checked in a fresh
+    interpreter outside the repository: one entry point, resolving under ``site``,
+    and every installed .py file equal to the repository's."""
+    import tomllib
+
+    with tempfile.TemporaryDirectory() as src:
+        for name in [*STAGED, *map(os.path.basename, glob.glob(f"{REPO}/LICEN[CS]E*"))]:
+            if os.path.exists(os.path.join(REPO, name)):
+                os.makedirs(os.path.dirname(os.path.join(src, name)), exist_ok=True)
+                shutil.copy2(os.path.join(REPO, name), os.path.join(src, name))
+        ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+        shutil.copytree(f"{REPO}/vllm_specgraph", f"{src}/vllm_specgraph", ignore=ignore)
+        pip = "python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile"
+        pip += " --no-cache-dir --disable-pip-version-check --target"
+        done = subprocess.run([*pip.split(), site, src], capture_output=True, text=True)
+        if done.returncode:
+            print(
+                f"pip install failed (rc={done.returncode}):", (done.stdout + done.stderr)[-3000:]
+            )
+            with open(f"{src}/pyproject.toml", "rb") as f:
+                project = tomllib.load(f)["project"]
+            shutil.rmtree(f"{site}/vllm_specgraph", ignore_errors=True)
+            shutil.copytree(f"{src}/vllm_specgraph", f"{site}/vllm_specgraph")
+            info = f"{site}/{project['name'].replace('-', '_')}-{project['version']}.dist-info"
+            shutil.rmtree(info, ignore_errors=True)
+            os.makedirs(info)
+            with open(f"{info}/METADATA", "w") as f:
+                f.write(f"Metadata-Version: 2.1\nName: {project['name']}\n")
+                f.write(f"Version: {project['version']}\n")
+            with open(f"{info}/entry_points.txt", "w") as f:
+                for group, eps in project.get("entry-points", {}).items():
+                    f.write(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n")
+            with open(f"{info}/INSTALLER", "w") as f:
+                f.write("vllm-e2e copy\n")
+        print(f"plugin installed into {site} by {'copy' if done.returncode else 'pip'}")
+    env = os.environ | {"PYTHONPATH": site, "PYTHONDONTWRITEBYTECODE": "1"}
+    with tempfile.TemporaryDirectory() as cwd:
+        checked = subprocess.run(["python3", "-c", CHECK, site], cwd=cwd, env=env)
+    files = glob.glob("**/*.py", root_dir=f"{REPO}/vllm_specgraph", recursive=True)
+    differ = [
+        f
+        for f in sorted(files)
+        if not os.path.exists(f"{site}/vllm_specgraph/{f}")
+        or not filecmp.cmp(
+            f"{REPO}/vllm_specgraph/{f}", f"{site}/vllm_specgraph/{f}", shallow=False
+        )
+    ]
+    if differ:
+        print(f"installed copy differs from the repository in: {differ}")
+    else:
+        print(f"{len(files)} .py files installed, identical to the repository's")
+    return not checked.returncode and not differ
+
+
 def setup(k: SimpleNamespace) -> None:
     """Wheels and vLLM's tree under E2E_WORK (emptied first), the stand-ins, the plugin."""
     site, tree = os.path.join(k.work, "site"), os.path.join(k.work, "tree")
@@ -403,9 +512,8 @@ def setup(k: SimpleNamespace) -> None:
             tar.extractall(tree, filter="data")
     except (OSError, tarfile.TarError) as e:
         raise refuse(f"untar failed: {e}") from e
-    if call(["python3", os.path.join(HERE, "apply_shims.py"), tree]):
-        raise SystemExit(2)
-    if call(["python3", os.path.join(HERE, "install_plugin.py"), REPO, site]):
+    apply_shims(tree)
+    if not install_plugin(site):
         raise refuse("plugin install failed")
 
 
