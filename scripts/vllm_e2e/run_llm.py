@@ -1,21 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""One offline vLLM 0.33.0 run (Model Runner V2, CUDA graphs, an optional speculator,
-the plugin's switch) on a dummy-weight Llama, written to ``--out`` as JSON; the
-device script runs one per process (docs/vllm-e2e.md: the knobs and every field).
-
-    python run_llm.py --size tiny|1b|8b --case base|draft|accept|ngram|eagle \
-        --plugin off|on|none|noest [--capture default|small] [--graph-mode full|compile] \
-        [--allocator default|expandable] [--memory-history FILE] [--gpu-mem-util U] \
-        [--workload smoke|peak|load [--load-round N]] [--tp N [--custom-all-reduce]] --out F
-
-Nothing in vLLM changes: wrappers call the methods they replace and read
-``torch.cuda.mem_get_info`` and ``time.perf_counter`` around them, and a log
-handler copies the plugin's lines. Prompts are token ids, and the dummy weights
-are refilled in place by parameter name, so every process builds the same
-model. At ``--tp`` > 1 the model runs in vLLM's worker processes:
-``E2EWorkerExtension`` (``worker_extension_cls``) installs the same wrappers
-there, and each rank's figures come back through ``llm.collective_rpc``.
-"""
+"""One offline vLLM 0.33.0 run on a dummy-weight Llama, written to ``--out`` as JSON
+(docs/vllm-e2e.md: the knobs, and what a run records). Nothing in vLLM changes:
+wrappers call the methods they replace and read the driver's figures and the time
+around them, a log handler copies the plugin's lines. At ``--tp`` > 1 the model runs
+in vLLM's workers, where ``E2EWorkerExtension`` measures the same."""
 
 from __future__ import annotations
 
@@ -75,36 +63,20 @@ CAPTURE_SETS = ("default", "small")  # the size's own; the same short list for e
 SMALL_CAPTURE_SIZES = [1, 2, 4, 8, 16, 32]
 ALLOCATORS = {"default": None, "expandable": "expandable_segments:True"}
 ALLOC_CONF_ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-BASE_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_USE_V2_MODEL_RUNNER": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "VLLM_LOGGING_LEVEL": "INFO",
-    "VLLM_USE_FLASHINFER_SAMPLER": "0",  # flashinfer is not carried
-    "TVM_FFI_DISABLE_TORCH_C_DLPACK": "1",
-}
+BASE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "1"}
+BASE_ENV |= {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+BASE_ENV |= {"DO_NOT_TRACK": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+BASE_ENV |= {"VLLM_USE_FLASHINFER_SAMPLER": "0", "TVM_FFI_DISABLE_TORCH_C_DLPACK": "1"}
 WORKLOADS = ("smoke", "peak", "load")
-PEAK_MAX_TOKENS, LOAD_MIN_LEN, LOAD_WARMUP_REQUESTS, LOAD_WARMUP_MAX_TOKENS = 16, 16, 16, 32
+LOAD_MIN_LEN, LOAD_WARMUP_REQUESTS, LOAD_WARMUP_MAX_TOKENS = 16, 16, 32
 # The full step samples with the features of vLLM's sampler warm-up
 # (SamplingParams.for_sampler_warmup), whose fp32 pipeline vLLM's profile budgets
 # as activation headroom; greedy sampling would leave most of it unused. Prompt
 # logprobs (not budgeted), bad words and watermarking (no peak) are left out.
 # Seeded, so both switches sample the same.
-PEAK_SAMPLING: dict[str, Any] = {
-    "temperature": 0.9,
-    "top_p": 0.9,
-    "top_k": 50,
-    "min_p": 0.1,
-    "frequency_penalty": 0.5,
-    "presence_penalty": 0.5,
-    "repetition_penalty": 1.2,
-    "logit_bias": {0: -1.0, 1: 0.5},
-    "logprobs": 5,
-    "seed": 0,
-}
+PEAK_SAMPLING: dict[str, Any] = {"temperature": 0.9, "top_p": 0.9, "top_k": 50, "min_p": 0.1}
+PEAK_SAMPLING |= {"frequency_penalty": 0.5, "presence_penalty": 0.5, "repetition_penalty": 1.2}
+PEAK_SAMPLING |= {"logit_bias": {0: -1.0, 1: 0.5}, "logprobs": 5, "seed": 0}
 ENGINE_STEPS = "vllm:iteration_tokens_total"  # its count: the engine steps so far
 Request = tuple[list[int], int]  # (prompt token ids, max_tokens)
 Generate = Callable[..., list[list[int]]]  # generate(requests, sampling=None): token ids
@@ -209,15 +181,10 @@ def plugin_report(runner: Any) -> dict | None:
 
 
 def install_wrappers(runner_cls: Any, worker_cls: Any, cuda: Any, mem: dict[str, Any]) -> dict:
-    """Wrap three vLLM methods to read numbers into ``mem`` (``cuda`` is ``torch.cuda``);
-    each calls the method it replaces unchanged. Returns {name: (class, wrapper)}.
-
-    * ``profile_cudagraph_memory``: the estimate, its wall time, and the driver-level
-      memory still taken when it returned (also after an ``empty_cache``).
-    * ``capture_model``: for the production capture, vLLM's own figure of the graph
-      memory and the wall time (``capture_started`` first, so that a run that dies
-      in it says so); profiling captures (``profile_only=True``) counted and timed.
-    * ``determine_available_memory``: the KV-cache bytes and the worker's budget."""
+    """Wrap three vLLM methods to read numbers into ``mem`` (``cuda``: ``torch.cuda``),
+    each calling the method it replaces: the profile's estimate, wall time and what it
+    left taken; the production capture's own figure and wall time (profiling captures
+    counted); the KV-cache bytes and the worker's budget. Returns {name: (class, fn)}."""
 
     def drv_used() -> int:
         cuda.synchronize()
@@ -244,14 +211,6 @@ def install_wrappers(runner_cls: Any, worker_cls: Any, cuda: Any, mem: dict[str,
         mem["profile_driver_left_taken"] = a_used - b_used
         mem["profile_driver_left_taken_after_empty_cache"] = a2_used - b_used
         mem["profile_allocator_reserved_delta"] = a_res - b_res
-        if os.environ.get("E2E_PROFILE_REPEAT") == "1":
-            # Diagnosis: what a second profile in the same process measures and keeps,
-            # i.e. which part of the first one was a one-time cost of the process.
-            again = orig_prof(self)
-            cuda.synchronize()
-            cuda.empty_cache()
-            mem["profile_repeat_estimate_bytes"] = int(again)
-            mem["profile_repeat_driver_left_taken"] = drv_used() - a2_used
         return est
 
     def cap_wrapper(self: Any, *a: Any, **kw: Any) -> int:
@@ -372,16 +331,11 @@ def peak_requests(vocab: int, max_num_seqs: int, max_num_batched_tokens: int) ->
             f"max_num_seqs ({max_num_seqs})"
         )
     base, extra = divmod(max_num_batched_tokens, max_num_seqs)
-    return [
-        (
-            [
-                (3 + 17 * i + 29 * j) % (vocab - 2) + 1
-                for j in range(base + (i >= max_num_seqs - extra))
-            ],
-            PEAK_MAX_TOKENS,
-        )
-        for i in range(max_num_seqs)
-    ]
+    out = []
+    for i in range(max_num_seqs):
+        length = base + (i >= max_num_seqs - extra)
+        out.append(([(3 + 17 * i + 29 * j) % (vocab - 2) + 1 for j in range(length)], 16))
+    return out
 
 
 def load_requests(vocab: int, n: int, max_model_len: int, seed: int) -> list[Request]:
@@ -590,14 +544,10 @@ def reinit_weights(
     sharded: set[str] | None = None,
 ) -> tuple[int, set[int]]:
     """Refill every floating parameter in place with N(0, std) seeded by its name (norm
-    weights: 1.0): vLLM's dummy loader gives every same-shaped tensor the same
-    values, and greedy output one repeated token. A draft that shares the target's
-    parameter names gets the same values there. Captured graphs keep their
-    addresses. Parameters whose storage is in ``skip`` (shared with the target, as an
-    EAGLE head's embedding and head) are left alone. On ``tp_rank`` > 0 a parameter
-    in ``sharded`` (one rank's shard) is seeded by name and rank, so that shards of
-    one tensor differ; replicated ones keep the name's seed. Returns (parameters
-    refilled, data pointers of every parameter seen)."""
+    weights: 1): vLLM's dummy weights make greedy output one repeated token. Storage in
+    ``skip`` (what a speculator shares with the target) is left alone; on ``tp_rank``
+    > 0 a parameter in ``sharded`` is seeded by name and rank. Returns (parameters
+    refilled, data pointers seen)."""
     import torch
 
     n, seen = 0, set()
@@ -626,12 +576,8 @@ def speculative_config(case: str, draft: str, eagle: str, num_spec: int, target:
     if case == "eagle":
         return {"method": "eagle", "model": eagle, "num_speculative_tokens": num_spec}
     if case == "ngram":
-        return {
-            "method": "ngram",
-            "num_speculative_tokens": num_spec,
-            "prompt_lookup_min": 2,
-            "prompt_lookup_max": 4,
-        }
+        lookup = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
+        return {"method": "ngram", "num_speculative_tokens": num_spec} | lookup
     return None
 
 
