@@ -717,7 +717,7 @@ class RankFigures(dict):
                 )
             os.replace(self.path + ".tmp", self.path)
         except OSError as e:
-            print(f"e2e_worker: cannot write {self.path}: {e!r}", file=sys.stderr, flush=True)
+            print(f"run_llm.py: cannot write {self.path}: {e!r}", file=sys.stderr, flush=True)
 
 
 def install_in_worker(rank: int, runner_cls: Any, worker_cls: Any, cuda: Any) -> RankFigures:

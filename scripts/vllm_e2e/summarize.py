@@ -908,27 +908,21 @@ def print_run(tag: str, r: Run) -> None:
         print(f"[{tag}] FAILED at stage {r.get('stage')}: {(r.get('error') or '')[:400]}")
         for line in (r.get("traceback") or "").strip().splitlines()[-6:]:
             print(f"    {line[:200]}")
-        if m:
-            print(f"    (before failing) {figures(m)}")
     else:
+        runner = res.get("runner_class", "?").rsplit(".", 1)[-1]
         print(
-            f"[{tag}] ok  runner={res.get('runner_class', '?').rsplit('.', 1)[-1]}"
-            f" spec={res.get('spec_method')} speculator={res.get('speculator_class')}"
-            f" cg={res.get('cudagraph_mode')} sizes={res.get('num_capture_sizes')}"
-            f" attn={res.get('attn_backend')}"
+            f"[{tag}] ok  runner={runner} spec={res.get('spec_method')} speculator="
+            f"{res.get('speculator_class')} cg={res.get('cudagraph_mode')} sizes="
+            f"{res.get('num_capture_sizes')} attn={res.get('attn_backend')}"
         )
         print(
-            f"    {figures(m)}, tokens {kv_tokens(r)}"
-            if "ranks" not in r
-            else f"    tensor parallel: {len(r['ranks'])} ranks, KV tokens {kv_tokens(r)}"
+            f"    timings s: import={r.get('import_s')} startup={r.get('startup_s')} profile="
+            f"{m.get('profile_wall_s')} capture={m.get('capture_wall_s')} generate="
+            f"{r.get('generate_s')} | shim ops called: {r.get('shim_calls')} | KV tokens "
+            f"{kv_tokens(r)} | spec decode: {r.get('spec')}"
         )
-        print(
-            f"    timings s: import={r.get('import_s')} startup={r.get('startup_s')}"
-            f" profile={m.get('profile_wall_s')} capture={m.get('capture_wall_s')}"
-            f" generate={r.get('generate_s')} | shim ops called: {r.get('shim_calls')}"
-        )
-        if (sp := r.get("spec") or {}).get("drafts"):
-            print(f"    spec decode: {sp}")
+    if m or (r.get("ok") and "ranks" not in r):
+        print(f"    {figures(m)}")
     for who, x in [("", r)] + [(f"rank {x.get('rank')} ", x) for x in r.get("ranks") or []]:
         p = x.get("plugin") if isinstance(x.get("plugin"), dict) else {}
         if who:
@@ -1002,15 +996,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.serve:
         off, on = ((read(p) or {"ok": False, "error": f"no result in {p}"}) for p in args.serve)
-        row = serve_row(off, on)
+        row, title = serve_row(off, on), "# `vllm serve`: vllm-specgraph off and on\n\n"
         text = serve_markdown([row])
-        write(
-            args.results,
-            "vllm_serve",
-            {"rows": [row]},
-            "# `vllm serve`: vllm-specgraph off and on\n\n" + text,
-            end="",
-        )
+        write(args.results, "vllm_serve", {"rows": [row]}, title + text, end="")
         print(text + f"plugin lines in the on run's server log: {row['log_lines_on']}")
         return 0 if row["check"] == "PASS" else 1
     results = args.results or os.path.join(args.outdir, "bench", "results")
@@ -1019,47 +1007,31 @@ def main(argv: list[str] | None = None) -> int:
     if os.path.exists(path := os.path.join(args.outdir, "skipped.txt")):
         with open(path) as f:
             skipped = [line.strip() for line in f if line.strip()]
-    print(
-        "=" * 72, "vLLM 0.33.0 end-to-end on the GPU (MRV2, Triton attention)", "=" * 72, sep="\n"
-    )
+    title = "vLLM 0.33.0 end-to-end on the GPU (MRV2, Triton attention)"
+    print("=" * 72, title, "=" * 72, sep="\n")
     if not memory and not load:
         print(f"no run results in {args.outdir}")
     every = [(key, memory[key]) for key in sorted(memory, key=key_order)]
-    every += [
-        ((*key, "load", f"round {round_of(r)}"), r)
-        for key in sorted(load, key=key_order)
-        for r in load[key]
-    ]
+    for key in sorted(load, key=key_order):
+        every += [((*key, "load", f"round {round_of(r)}"), r) for r in load[key]]
     for key, r in every:
         print_run("/".join(key), r)
     spec_eq = compare_tokens(memory)
 
     rows = memory_rows(memory)
-    doc = {
-        "schema": 2,
-        "generated_utc": now_utc(),
-        "targets": {
-            "estimate_tolerance_fraction": EST_TOL_FRACTION,
-            "estimate_tolerance_bytes": EST_TOL_BYTES,
-            "retained_max_bytes": RETAINED_MAX_BYTES,
-        },
-        "sizes": {s: size_meta(s, memory, args.outdir) for s in sorted({k[0] for k in memory})},
-        "rows": list(rows),
-        "runs": [compact_run(k, r) for k, r in sorted(memory.items())],
-        "skipped": skipped,
-    }
+    targets = {"estimate_tolerance_fraction": EST_TOL_FRACTION}
+    targets |= {"estimate_tolerance_bytes": EST_TOL_BYTES, "retained_max_bytes": RETAINED_MAX_BYTES}
+    doc = {"schema": 2, "generated_utc": now_utc(), "targets": targets}
+    doc["sizes"] = {s: size_meta(s, memory, args.outdir) for s in sorted({k[0] for k in memory})}
+    doc |= {"rows": list(rows), "runs": [compact_run(k, r) for k, r in sorted(memory.items())]}
+    doc["skipped"] = skipped
     if prev := read(args.previous, (1, 2)):  # schema 1 lacks newer fields: shown as "-"
         carry_over(doc, prev, args.previous)
     doc["sizes"] = dict(sorted(doc["sizes"].items(), key=lambda kv: group_order(kv[0])))
     doc["rows"].sort(key=lambda r: key_order((r["size"], r["case"])))
     print("-" * 72, "plugin off vs on (MiB unless stated)", sep="\n")
-    print_rows(
-        "",
-        sorted(rows, key=lambda r: key_order((r["size"], r["case"]))),
-        MEMORY_COLUMNS,
-        memory_cells,
-        3,
-    )
+    rows.sort(key=lambda r: key_order((r["size"], r["case"])))
+    print_rows("", rows, MEMORY_COLUMNS, memory_cells, 3)
     write(results, "vllm_graph_memory", doc, memory_markdown(doc))
 
     if loads := load_rows(load):
@@ -1068,17 +1040,11 @@ def main(argv: list[str] | None = None) -> int:
         previous = args.previous and os.path.join(os.path.dirname(args.previous), "vllm_load.json")
         if prev := read(previous, (3,)):  # rows of this schema that name their commit
             here = {(r["size"], r["case"], r["num_requests"]) for r in loads}
-            all_loads += [
-                r
-                for r in prev.get("rows", [])
-                if r.get("commit") and (r["size"], r["case"], r["num_requests"]) not in here
-            ]
-        load_doc = {
-            "schema": 3,
-            "generated_utc": now_utc(),
-            "max_slowdown": MAX_SLOWDOWN,
-            "rows": all_loads,
-        }
+            for r in prev.get("rows", []):
+                if r.get("commit") and (r["size"], r["case"], r["num_requests"]) not in here:
+                    all_loads.append(r)
+        load_doc = {"schema": 3, "generated_utc": now_utc(), "max_slowdown": MAX_SLOWDOWN}
+        load_doc["rows"] = all_loads
         write(results, "vllm_load", load_doc, load_markdown(load_doc))
     if skipped:
         print(f"skipped for lack of time: {' '.join(skipped)}")
