@@ -770,6 +770,8 @@ def test_serve_rows_pass_only_with_equal_tokens_plugin_lines_and_clean_exits(tmp
     assert summarize.serve_row(run([[1]]), run([[2]]))["check"] == "FAIL (tokens equal)"
     row = summarize.serve_row(run([[1]]), run([[1]], clean_shutdown=False, log_ok=False))
     assert row["check"] == "FAIL (plugin lines in the server log, clean shutdown)"
+    row = summarize.serve_row(run([[1]], clean_shutdown=False, log_ok=False), run([[1]]))
+    assert row["check"] == "FAIL (plugin lines in the server log, clean shutdown)"  # off's too
     (tmp_path / "on.json").write_text(json.dumps(run([[1]], commit="abc", measured_utc="U")))
     pair = [str(tmp_path / "off.json"), str(tmp_path / "on.json")]
     assert summarize.main(["--serve", *pair, "--results", str(tmp_path)]) == 1  # off: no result
