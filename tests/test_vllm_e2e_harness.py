@@ -893,9 +893,12 @@ class Launches:
     def launch(self, lane: int, argv: list[str], limit: int, log: str | None) -> Any:
         self.calls.append((lane, argv, limit))
         self.clock[0] += self.took
-        with open(log, "w") as f:
+        with open(log or os.devnull, "w") as f:
             f.write("INFO Graph capturing finished in 3 secs\nvllm-specgraph armed\n")
-        return SimpleNamespace(wait=lambda: self.rc(argv), pid=0)
+        rc = self.rc(argv)
+        return SimpleNamespace(
+            wait=lambda: rc, pid=0, returncode=rc, communicate=lambda: ("ok", "")
+        )
 
     def runs(self) -> str:
         """What ran (a run's name, or warm-up:KEY) and its limit, one after the other."""
@@ -959,6 +962,39 @@ def test_limits_budget_and_compile_warm_ups(tmp_path, monkeypatch, capsys):
     dev = _device(tmp_path, knobs + "; T_FIRST_EXTRA=0; LOAD_ROUNDS=1")
     dev.execute(device.plan(dev.k))
     assert fake.runs() == "1b-base-off-load-tp2 118, 1b-base-on-load-tp2 118"
+
+
+def test_serve_runs_each_switch_after_one_warm_up_then_compares_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
+    fake = Launches(monkeypatch, rc=lambda argv: 0)
+    compared = []
+    monkeypatch.setattr(
+        device, "call", lambda cmd, **kw: compared.append(cmd[2:]) or len(compared) - 1
+    )
+    dev = _device(tmp_path, "MODE=serve; GRAPHS=compile full; BUDGET=600")
+    assert dev.serve() == 1  # the second comparison failed
+    assert fake.runs() == (
+        "warm-up:1b-draft-default 575, 1b-draft-off-compile-serve 565, "
+        "1b-draft-on-compile-serve 555, 1b-draft-off-serve 545, 1b-draft-on-serve 535"
+    )
+    assert fake.calls[1][1][1:9] == [
+        "--size",
+        "1b",
+        "--case",
+        "draft",
+        "--plugin",
+        "off",
+        "--graph-mode",
+        "compile",
+    ]
+    off, on = (f"{tmp_path}/out/serve/1b-draft-{p}-compile-serve.json" for p in ("off", "on"))
+    assert compared[0] == [
+        "--serve",
+        off,
+        on,
+        "--results",
+        f"{tmp_path}/out/serve/1b-draft-compile",
+    ]
 
 
 def test_jobs_run_one_at_a_time_per_lane_and_side_by_side_across_lanes(tmp_path, monkeypatch):

@@ -332,44 +332,37 @@ class Device:
     def serve(self) -> int:
         """Per (graph mode, size, case): vllm serve with each switch on the first lane,
         then the off and on runs compared; results under $OUT/serve/."""
-        k, failed, serve_py = self.k, 0, os.path.join(HERE, "serve.py")
-        os.makedirs(os.path.join(k.out, "serve"), exist_ok=True)
+        k, failed, here = self.k, 0, os.path.join(self.k.out, "serve")
+        os.makedirs(here, exist_ok=True)
         for graphs, size, case in itertools.product(k.graphs, k.sizes, k.cases):
             if graphs == "compile":
                 self.warm_up(0, size, case, "default", self.left())
-            paths = {
-                p: os.path.join(k.out, "serve", stem(size, case, p, "default", graphs))
-                for p in k.plugin
+            stems = {
+                p: os.path.join(here, stem(size, case, p, "default", graphs)) for p in k.plugin
             }
-            for plugin, out in paths.items():
-                name = os.path.basename(out) + "-serve"
-                if (left := self.left()) < MIN_RUN:
+            for plugin, out in stems.items():
+                name, left = os.path.basename(out) + "-serve", self.left()
+                if left < MIN_RUN:
                     print(f"serve {name}: skipped, {left} s left", flush=True)
                     continue
+                self.say(f"---------------- serve {name} on GPU {self.lanes[0]} (limit {left} s)")
+                args = ["--size", size, "--case", case, "--plugin", plugin, "--graph-mode", graphs]
+                argv = [os.path.join(HERE, "serve.py"), *args, "--out", out + "-serve.json"]
+                proc = self.launch(0, argv, left, None)
                 print(
-                    f"---------------- serve {name} on GPU {self.lanes[0]} (limit {left} s) "
-                    + "-" * 16,
-                    flush=True,
+                    *proc.communicate()[0].splitlines()[-5:],
+                    f"serve {name} rc={proc.returncode}",
+                    sep="\n",
                 )
-                args = [serve_py, "--size", size, "--case", case, "--plugin", plugin]
-                proc = self.launch(
-                    0, [*args, "--graph-mode", graphs, "--out", out + "-serve.json"], left, None
-                )
-                tail = proc.communicate()[0].splitlines()[-5:]
-                print(*tail, f"serve {name} rc={proc.returncode}", sep="\n")
                 with contextlib.suppress(OSError), open(out + "-serve.log", errors="replace") as f:
+                    lines = [line.rstrip("\n")[:300] for line in f if "vllm-specgraph" in line]
                     print(
-                        *(
-                            line.rstrip("\n")[:300]
-                            for line in f
-                            if "vllm-specgraph" in line and not line.startswith("SPECGRAPH-LOG")
-                        ),
-                        sep="\n",
+                        *(line for line in lines if not line.startswith("SPECGRAPH-LOG")), sep="\n"
                     )
-            pair = [paths[p] + "-serve.json" for p in ("off", "on")]
-            results = ["--results", os.path.join(k.out, "serve", f"{size}-{case}-{graphs}")]
-            summarize = ["python3", os.path.join(HERE, "summarize.py"), "--serve"]
-            failed |= bool(call([*summarize, *pair, *results]))
+            pair = [stems[p] + "-serve.json" for p in ("off", "on")]
+            results = os.path.join(here, f"{size}-{case}-{graphs}")
+            summarize = ["python3", os.path.join(HERE, "summarize.py"), "--serve", *pair]
+            failed |= bool(call([*summarize, "--results", results]))
         return failed
 
     def demo(self) -> int:
