@@ -4,14 +4,11 @@
 #
 #   scripts/prepare-vllm-e2e.sh            # uses $VLLM_WHEEL or downloads vllm==0.33.0
 #
-# Produces (all reproducible from the pinned versions below):
-#   .e2e/vllm-py.tar.gz   vLLM 0.33.0's Python files only (*.py, *.json, *.jinja,
-#                         py.typed, dist-info); no compiled .so, no vllm-rs binary,
-#                         no CUTLASS/DeepGEMM headers.            (~11 MB)
-#   .e2e/wheels/*.whl     cp312 manylinux wheels for modules vLLM imports that the
-#                         GPU machine's image lacks.               (~25 MB)
-# The _C_stable_libtorch stand-in is NOT baked in: scripts/device-vllm-e2e.sh copies
-# scripts/vllm_e2e/_C_stable_libtorch.py into the unpacked tree at run time.
+# Produces, reproducibly from the pinned versions below: .e2e/vllm-py.tar.gz, vLLM
+# 0.33.0's Python files only (*.py, *.json, *.jinja, py.typed, dist-info; no .so, no
+# vllm-rs binary, no CUTLASS/DeepGEMM headers; ~11 MB), and .e2e/wheels/*.whl, cp312
+# manylinux wheels of the modules vLLM imports that the GPU machine's image lacks
+# (~26 MB). The C stand-ins are copied into the unpacked tree on the GPU machine.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -24,41 +21,15 @@ WHEEL="${VLLM_WHEEL:-/tmp/vw/vllm-${VLLM_VERSION}-cp38-abi3-manylinux_2_28_x86_6
 # machine with a meta-path blocker that only admits the image's package list;
 # see docs/vllm-e2e.md). Versions: those that satisfy vLLM 0.33.0's pins.
 PKGS=(
-  msgspec==0.22.0
-  pydantic==2.14.4
-  pydantic_core==2.50.5
-  typing-inspection==0.4.5
-  annotated-types==0.8.0
-  pyzmq==27.3.0
-  cbor2==6.3.0
-  pybase64==1.5.1
-  cachetools==8.0.2
-  openai==3.57.0
-  httpx2==2.16.2
-  httpcore2==2.16.2
-  truststore==0.10.5
-  sniffio==1.3.1
-  oss-harmony==0.0.11
-  mistral_common==1.13.1
-  xgrammar==0.2.8
-  apache-tvm-ffi==0.1.15.post2
-  llguidance==1.7.6
-  fastapi==0.136.3
-  starlette==1.10.0
-  partial-json-parser==0.2.1.1.post7
-  orjson==3.13.0
-  typing_extensions==4.16.0
-  compressed-tensors==0.17.0
-  loguru==0.7.3
+  msgspec==0.22.0 pydantic==2.14.4 pydantic_core==2.50.5 typing-inspection==0.4.5
+  annotated-types==0.8.0 pyzmq==27.3.0 cbor2==6.3.0 pybase64==1.5.1 cachetools==8.0.2
+  openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 sniffio==1.3.1
+  oss-harmony==0.0.11 mistral_common==1.13.1 xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
+  llguidance==1.7.6 fastapi==0.136.3 starlette==1.10.0 partial-json-parser==0.2.1.1.post7
+  orjson==3.13.0 typing_extensions==4.16.0 compressed-tensors==0.17.0 loguru==0.7.3
   # `vllm serve` (MODE=serve) beyond the offline engine's path
-  uvicorn==0.54.0
-  click==8.5.1
-  prometheus-fastapi-instrumentator==8.1.0
-  python-multipart==0.0.34
-  watchfiles==1.3.0
-  model-hosting-container-standards==0.1.16
-  jmespath==1.1.0
-  supervisor==4.3.0
+  uvicorn==0.54.0 click==8.5.1 prometheus-fastapi-instrumentator==8.1.0 python-multipart==0.0.34
+  watchfiles==1.3.0 model-hosting-container-standards==0.1.16 jmespath==1.1.0 supervisor==4.3.0
 )
 
 mkdir -p "$OUT"

@@ -1,11 +1,8 @@
-"""The end-to-end harness's CPU-side logic (scripts/vllm_e2e): the plugin switch,
-the measurement wrappers, the size presets, and the off/on summary table.
-
-The wrappers run here against stand-in runner and worker classes and a
-stand-in ``torch.cuda`` whose driver-level usage the stand-ins move; the
-summarizer then reads the JSON those runs produce. The byte counts are test
-inputs, not measurements.
-"""
+"""The end-to-end harness on a CPU (scripts/vllm_e2e): run_llm.py's switches, wrappers,
+workloads and worker extension against stand-ins for vLLM's runner, worker and
+``torch.cuda``; summarize.py's rows, checks and tables on synthetic results; and
+device.py's knobs, plan, lanes, limits and warm-ups with process launching faked.
+The byte counts are test inputs, not measurements."""
 
 from __future__ import annotations
 
@@ -13,8 +10,9 @@ import importlib.util
 import json
 import logging
 import os
+import subprocess
 import sys
-from pathlib import Path
+import time
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -27,45 +25,43 @@ MiB = 1 << 20
 
 def _load(name: str) -> ModuleType:
     path = os.path.join(SCRIPTS, "vllm_e2e", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"vllm_e2e_{name}", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-run_llm = _load("run_llm")
-summarize = _load("summarize")
-memory_budget = run_llm.memory_budget  # run_llm's own: scripts/vllm_e2e is on sys.path
-workloads = run_llm.workloads
-summarize_load = summarize.summarize_load
-summarize_table = summarize.summarize_table
+run_llm, summarize, device = _load("run_llm"), _load("summarize"), _load("device")
+ESTIMATE_ENV = run_llm.ESTIMATE_ENV
+HEADROOM = 100 * MiB  # the stand-in worker's activation headroom
+UPSTREAM = {"est": 41 * MiB, "retained": 32 * MiB, "actual": 36 * MiB, "kv": 7 << 30}
+EXACT = {"est": 34 * MiB, "retained": 4 * MiB, "actual": 30 * MiB, "kv": 8 << 30}
 
 
-@pytest.fixture(autouse=True)
-def _no_garbage_collection_at_rest(monkeypatch):
-    """``workloads.free_at_rest`` collects garbage first; with vLLM imported that
-    takes a while and the stand-in GPU does not need it."""
-    monkeypatch.setattr(workloads, "gc", SimpleNamespace(collect=lambda: 0))
+def kv(text: str) -> dict[str, str]:
+    """``"A=x y; B=z"`` as {"A": "x y", "B": "z"}."""
+    return dict(item.strip().split("=", 1) for item in text.split(";") if item.strip())
+
+
+def pick(rows: list[dict], keys: str) -> str:
+    """The ``keys`` of each row: a row's values joined by spaces, the rows by "; "."""
+    return "; ".join(" ".join(str(row[k]) for k in keys.split()) for row in rows)
 
 
 class FakeCuda:
-    """Driver-level usage that the stand-in vLLM methods below move by hand."""
+    """``torch.cuda`` whose driver-level usage the stand-ins below move."""
 
     total = 80 << 30
 
     def __init__(self) -> None:
-        self.used = 10 << 30
-        self.reserved = 0
-        self.allocated = 0
-        self.peak_allocated = 0
-        self.peak_reserved = 0
+        self.used, self.reserved, self.allocated = 10 << 30, 0, 0
+        self.peak_allocated = self.peak_reserved = 0
 
     def synchronize(self) -> None:
         pass
 
-    def empty_cache(self) -> None:
-        pass
+    empty_cache = reset_peak_memory_stats = synchronize
 
     def mem_get_info(self) -> tuple[int, int]:
         return self.total - self.used, self.total
@@ -76,51 +72,34 @@ class FakeCuda:
     def memory_allocated(self) -> int:
         return self.allocated
 
-    def reset_peak_memory_stats(self) -> None:
-        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
-
     def max_memory_allocated(self) -> int:
         return self.peak_allocated
 
     def max_memory_reserved(self) -> int:
         return self.peak_reserved
 
-    def take(self, nbytes: int) -> None:
-        """A step that keeps ``nbytes`` in the allocator's cache (driver level)."""
-        self.used += nbytes
-        self.reserved += nbytes
-        self.peak_reserved = max(self.peak_reserved, self.reserved)
-        self.peak_allocated = max(self.peak_allocated, self.allocated + nbytes)
-
-
-HEADROOM = 100 * MiB  # the stand-in worker's activation headroom
-
 
 def fake_classes(cuda: FakeCuda, est: int, retained: int, actual: int, kv: int) -> tuple:
     """A runner and a worker that move ``cuda`` as vLLM would: the profile leaves
-    ``retained`` taken, the worker sizes the KV cache at ``kv`` (its limit is
-    ``kv + headroom + estimate`` above the snapshot, as vLLM's formula gives
-    with nothing else taken) and allocates it, the capture takes ``actual``."""
+    ``retained`` taken, the worker sizes the KV cache at ``kv`` (its limit ``kv +
+    headroom + estimate``, as vLLM's formula gives) and takes it, the capture ``actual``."""
 
     class Runner:
         def profile_cudagraph_memory(self) -> int:
-            cuda.used += retained  # what the profile leaves taken
+            cuda.used += retained
             return est
 
         def capture_model(self, *, profile_only: bool = False) -> int:
-            if profile_only:
-                return 0
-            cuda.used += actual
-            return actual
+            cuda.used += 0 if profile_only else actual
+            return 0 if profile_only else actual
 
     class Worker:
         cudagraph_memory_estimate = est
 
         def determine_available_memory(self) -> int:
-            applied = est if memory_budget.estimate_applied() else 0
-            self.init_snapshot = SimpleNamespace(
-                free_memory=cuda.total - cuda.used, total_memory=cuda.total
-            )
+            applied = est if run_llm.estimate_applied() else 0
+            free = cuda.total - cuda.used
+            self.init_snapshot = SimpleNamespace(free_memory=free, total_memory=cuda.total)
             self.requested_memory = kv + HEADROOM + applied
             self.peak_activation_memory = HEADROOM + applied
             self.available_kv_cache_memory_bytes = kv
@@ -131,1271 +110,299 @@ def fake_classes(cuda: FakeCuda, est: int, retained: int, actual: int, kv: int) 
     return Runner, Worker
 
 
-def fake_metrics(
-    drafts: int, draft_tokens: int, accepted: int, steps: int = 0
-) -> list[SimpleNamespace]:
+def metrics(drafts: int, draft_tokens: int, accepted: int, steps: int = 0) -> list:
     """``llm.get_metrics()`` entries as vLLM's reader makes them."""
-    return [
-        SimpleNamespace(name="vllm:iteration_tokens_total", count=steps, sum=4.0 * steps),
-        SimpleNamespace(name="vllm:spec_decode_num_drafts", value=drafts),
-        SimpleNamespace(name="vllm:spec_decode_num_draft_tokens", value=draft_tokens),
-        SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=accepted),
-        SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=[5, 4, 3]),
-        SimpleNamespace(name="vllm:num_requests_running", value=0),
-    ]
+    out = [SimpleNamespace(name="vllm:iteration_tokens_total", count=steps)]
+    for name, value in (("drafts", drafts), ("draft_tokens", draft_tokens)):
+        out.append(SimpleNamespace(name=f"vllm:spec_decode_num_{name}", value=value))
+    out.append(SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=accepted))
+    out.append(SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=[5, 4]))
+    return [*out, SimpleNamespace(name="vllm:num_requests_running", value=0)]
 
 
-def workload_args(workload: str = "smoke", **kw: Any) -> SimpleNamespace:
-    """run_llm.py's arguments that ``run_workload`` reads."""
-    defaults = {
-        "workload": workload,
-        "max_tokens": 3,
-        "num_prompts": 2,
-        "load_requests": 4,
-        "load_repeats": 2,
-        "seed": 0,
-    }
-    return SimpleNamespace(**(defaults | kw))
-
-
-def fake_run(
-    size: str,
-    case: str,
-    plugin: str,
-    *,
-    est: int,
-    retained: int,
-    actual: int,
-    kv: int,
-    tokens: list[list[int]],
-    report: dict | None = None,
-    step: int = 0,
-    workload: str = "smoke",
-    capture: str = "default",
-) -> dict[str, Any]:
-    """One run_llm.py result built by the harness's own wrappers and helpers: the
-    start-up moves the stand-in GPU, then ``run_llm.run_workload`` generates
-    ``tokens`` with a step that keeps ``step`` bytes."""
-    cuda = FakeCuda()
-    runner_cls, worker_cls = fake_classes(cuda, est, retained, actual, kv)
+def fake_run(size: str, case: str, plugin: str, tokens: list, fig: dict, **kw: Any) -> dict:
+    """A run_llm.py result made by its own wrappers and ``run_workload``: start-up moves
+    the stand-in GPU by ``fig`` (est, retained, actual, kv), then the workload
+    (``workload``) generates ``tokens`` with a step that keeps ``step`` bytes."""
+    cuda, report, step = FakeCuda(), kw.get("report"), kw.get("step", 0)
+    runner_cls, worker_cls = fake_classes(
+        cuda, fig["est"], fig["retained"], fig["actual"], fig["kv"]
+    )
     mem: dict[str, Any] = {}
     installed = run_llm.install_wrappers(runner_cls, worker_cls, cuda, mem)
     worker_cls().determine_available_memory()
     runner_cls().capture_model(profile_only=True)
     runner_cls().capture_model()
-    block_size = 16
-    runner = SimpleNamespace(specgraph_profile=None)
-    if report is not None:
-        runner.specgraph_profile = SimpleNamespace(to_dict=lambda: report)
-    result: dict[str, Any] = {
-        "size": size,
-        "case": case,
-        "plugin": {"switch": plugin, "wrappers_intact": run_llm.wrappers_intact(installed)},
-        "capture": capture,
-        "workload": workload,
-        "ok": True,
-        "stage": "done",
-        "mem": mem,
-        "startup_s": 12.5,
-        "resolved": {"num_gpu_blocks": kv // (block_size * 1024), "block_size": block_size},
-        "kv_tokens": kv // 1024,
-        "plugin_report": run_llm.plugin_report(runner),
+    runner = SimpleNamespace(specgraph_profile=report and SimpleNamespace(to_dict=lambda: report))
+    result = {"size": size, "case": case, "capture": kw.get("capture", "default"), "ok": True}
+    result |= {"workload": kw.get("workload", "smoke"), "mem": mem, "startup_s": 12.5}
+    result["plugin"] = {"switch": plugin, "wrappers_intact": run_llm.wrappers_intact(installed)}
+    result["resolved"] = {
+        "num_gpu_blocks": fig["kv"] >> 14,
+        "block_size": 16,
+        "num_capture_sizes": 6,
     }
+    result |= {"kv_tokens": fig["kv"] >> 10, "plugin_report": run_llm.plugin_report(runner)}
 
     def generate(requests: list, sampling: dict | None = None) -> list[list[int]]:
-        cuda.take(step)
+        cuda.used += step
+        cuda.reserved += step
+        cuda.peak_allocated, cuda.peak_reserved = cuda.allocated + step, cuda.reserved
         result.setdefault("sampled_with", []).append(sampling)
         return [list(t) for t in tokens]
 
-    llm = SimpleNamespace(get_metrics=lambda: fake_metrics(10, 30, 12))
-    preset = run_llm.SIZES[size]
-    run_llm.run_workload(workload_args(workload), preset, 512, generate, llm, cuda, mem, result)
+    args = SimpleNamespace(workload=result["workload"], max_tokens=3, num_prompts=2, seed=0)
+    args.load_requests, args.load_repeats = 4, 2
+    llm = SimpleNamespace(get_metrics=lambda: metrics(10, 30, 12))
+    run_llm.run_workload(args, run_llm.SIZES[size], 512, generate, llm, cuda, mem, result)
     return result
 
 
-def test_wrappers_record_estimate_retained_actual_and_kv():
-    r = fake_run(
-        "tiny",
-        "base",
-        "off",
-        est=41 * MiB,
-        retained=32 * MiB,
-        actual=36 * MiB,
-        kv=7 << 30,
-        tokens=[[1]],
+@pytest.fixture(autouse=True)
+def _no_garbage_collection_at_rest(monkeypatch):
+    """``free_at_rest`` collects garbage; with vLLM imported that is slow, and needless here."""
+    monkeypatch.setattr(run_llm, "gc", SimpleNamespace(collect=lambda: 0))
+
+
+# ---- run_llm.py ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("switch", "allocator", "env"),
+    [
+        ("on", "default", "specgraph None None None"),
+        ("off", "expandable", "specgraph 0 None expandable_segments:True"),
+        ("none", "default", " None None None"),
+        ("noest", "default", "specgraph 0 0 None"),
+    ],
+)
+def test_plugin_and_allocator_switches_set_the_environment(monkeypatch, switch, allocator, env):
+    # Inherited values must not turn one switch into another.
+    inherited = {"VLLM_SPECGRAPH": "0", "VLLM_PLUGINS": "other", ESTIMATE_ENV: "7"}
+    inherited |= {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64", "PYTORCH_ALLOC_CONF": "x"}
+    for key, value in inherited.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    got = run_llm.set_env(switch, allocator)
+    assert " ".join(map(str, got.values())) == env
+    assert got == {k: os.environ.get(k) for k in got}
+    assert "PYTORCH_ALLOC_CONF" not in os.environ and os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert run_llm.estimate_applied() is (switch != "noest")
+    with pytest.raises(ValueError, match="allocator must be one of"):
+        run_llm.set_env("on", "cumem")
+
+
+def test_wrappers_record_what_vllm_returned_the_budget_and_the_step():
+    r = fake_run("tiny", "base", "off", [[1, 2]], UPSTREAM, step=150 * MiB)
+    m = {k: v // MiB if isinstance(v, int) and v > 1000 else v for k, v in r["mem"].items()}
+    assert pick([m], "profile_estimate_bytes worker_cudagraph_memory_estimate") == "41 41"
+    assert pick([m], "profile_driver_left_taken profile_driver_left_taken_after_empty_cache") == (
+        "32 32"
     )
-    m = r["mem"]
-    assert m["profile_estimate_bytes"] == 41 * MiB
-    assert m["profile_driver_left_taken"] == 32 * MiB
-    assert m["profile_driver_left_taken_after_empty_cache"] == 32 * MiB
-    assert m["capture_actual_bytes"] == 36 * MiB
-    assert m["capture_driver_delta"] == 36 * MiB
-    assert m["capture_calls"] == 1
-    assert m["profile_only_capture_calls"] == 1
-    assert m["kv_cache_bytes"] == 7 << 30
-    assert m["worker_cudagraph_memory_estimate"] == 41 * MiB
-    assert m["profile_wall_s"] >= 0 and m["capture_wall_s"] >= 0
-    assert r["plugin"]["wrappers_intact"] == {
-        "profile_cudagraph_memory": True,
-        "capture_model": True,
-        "determine_available_memory": True,
-    }
+    assert pick([m], "capture_actual_bytes capture_driver_delta kv_cache_bytes") == "36 36 7168"
+    assert pick([m], "capture_calls profile_only_capture_calls capture_started") == "1 1 True"
+    assert pick([m], "requested_bytes activation_headroom_bytes non_kv_bytes") == "7309 100 100"
+    assert m["graph_estimate_applied_bytes"] == 41 and r["mem"]["profile_wall_s"] >= 0
+    # Held since the snapshot: retained + KV + actual; the limit at rest is requested -
+    # headroom = KV + estimate: over by retained + actual - estimate.
+    assert summarize.over_budget_bytes(r["mem"]) == (32 + 36 - 41) * MiB
+    assert m["free_at_rest_bytes"] - m["free_after_step_bytes"] == 150
+    assert m["step_reserved_peak_bytes"] == 150
+    assert r["tokens"] == [[1, 2]] and r["spec"]["acceptance_rate"] == 0.4
+    assert r["sampled_with"] == [None] and all(r["plugin"]["wrappers_intact"].values())
+    assert run_llm.worker_budget(SimpleNamespace(), True) == {}
 
 
-def test_wrappers_intact_notices_a_replaced_method():
+def test_wrappers_notice_a_replaced_method_and_noest_subtracts_nothing(monkeypatch):
     cuda = FakeCuda()
     runner_cls, worker_cls = fake_classes(cuda, 1, 0, 1, 1)
     installed = run_llm.install_wrappers(runner_cls, worker_cls, cuda, {})
     runner_cls.capture_model = lambda self, **kw: 0
     assert run_llm.wrappers_intact(installed)["capture_model"] is False
-
-
-ESTIMATE_ENV = "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS"
-
-
-@pytest.mark.parametrize(
-    ("switch", "plugins", "specgraph", "estimate"),
-    [
-        ("on", "specgraph", None, None),
-        ("off", "specgraph", "0", None),
-        ("none", "", None, None),
-        ("noest", "specgraph", "0", "0"),
-    ],
-)
-def test_plugin_switch_sets_the_environment(monkeypatch, switch, plugins, specgraph, estimate):
-    for key in ("VLLM_PLUGINS", "VLLM_SPECGRAPH", *run_llm.BASE_ENV):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("VLLM_SPECGRAPH", "0")  # inherited values must not leak through
-    monkeypatch.setenv("VLLM_PLUGINS", "other")
-    monkeypatch.setenv(ESTIMATE_ENV, "7")
-    env = run_llm.set_env(switch)
-    assert env == {
-        "VLLM_PLUGINS": plugins,
-        "VLLM_SPECGRAPH": specgraph,
-        ESTIMATE_ENV: estimate,
-        "PYTORCH_CUDA_ALLOC_CONF": None,
-    }
-    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
-    assert memory_budget.estimate_applied() is (switch != "noest")
-
-
-@pytest.mark.parametrize(
-    ("allocator", "conf"), [("default", None), ("expandable", "expandable_segments:True")]
-)
-def test_allocator_switch_sets_the_allocator_environment(monkeypatch, allocator, conf):
-    # Inherited settings must not leak into either allocator's runs.
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
-    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
-    env = run_llm.set_env("on", allocator)
-    assert env["PYTORCH_CUDA_ALLOC_CONF"] == os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == conf
-    assert "PYTORCH_ALLOC_CONF" not in os.environ
-    with pytest.raises(ValueError, match="allocator must be one of"):
-        run_llm.set_env("on", "cumem")
+    monkeypatch.setenv(ESTIMATE_ENV, "0")
+    m = fake_run("tiny", "base", "noest", [[1]], UPSTREAM)["mem"]
+    assert (m["graph_estimate_applied_bytes"], m["activation_headroom_bytes"]) == (0, HEADROOM)
+    assert summarize.over_budget_bytes(m) == (32 + 36) * MiB
 
 
 @pytest.fixture
 def restore_plugin_loggers():
-    saved = {
-        n: (lg.handlers[:], lg.propagate, lg.level)
-        for n in run_llm.PLUGIN_LOGGERS
-        for lg in [logging.getLogger(n)]
-    }
+    loggers = [logging.getLogger(name) for name in run_llm.PLUGIN_LOGGERS]
+    saved = [(lg, lg.handlers[:], lg.propagate, lg.level) for lg in loggers]
     yield
-    for n, (handlers, propagate, level) in saved.items():
-        lg = logging.getLogger(n)
-        lg.handlers[:] = handlers
-        lg.propagate = propagate
+    for lg, handlers, propagate, level in saved:
+        lg.handlers[:], lg.propagate = handlers, propagate
         lg.setLevel(level)
 
 
-def test_plugin_log_tap_prints_with_prefix_and_keeps_lines(capsys, restore_plugin_loggers):
+def test_plugin_log_tap_prints_with_its_prefix_and_keeps_the_lines(capsys, restore_plugin_loggers):
     sink: list[str] = []
     run_llm.tap_plugin_logs(sink)
     logging.getLogger("vllm.specgraph.profile").info("estimate %d MiB", 12)
     logging.getLogger("vllm_specgraph").info("loaded")
     assert sink == ["INFO vllm.specgraph.profile: estimate 12 MiB", "INFO vllm_specgraph: loaded"]
-    out = capsys.readouterr().out.splitlines()
-    assert out == [f"{run_llm.PLUGIN_LOG_PREFIX} {line}" for line in sink]
+    assert capsys.readouterr().out.splitlines() == [f"SPECGRAPH-LOG {line}" for line in sink]
 
 
-def test_size_presets_and_engine_kwargs():
-    for size, preset in run_llm.SIZES.items():
+def _kwargs(size: str = "1b", **kw: Any) -> dict:
+    args = {"case": "eagle", "model": "m", "draft": "d", "eagle": "e", "num_spec": 3}
+    args |= {"dtype": "bfloat16", "gpu_mem_util": 0.5}
+    return run_llm.llm_kwargs(SimpleNamespace(**(args | kw)), run_llm.SIZES[size])
+
+
+def test_sizes_capture_sets_speculators_and_tensor_parallel_engine_arguments():
+    for preset in run_llm.SIZES.values():  # the configs exist and the smoke prompts fit them
         for key in ("model", "draft", "eagle"):
-            cfg = os.path.join(run_llm.CONFIGS, preset[key], "config.json")
-            with open(cfg) as f:
+            with open(os.path.join(run_llm.CONFIGS, preset[key], "config.json")) as f:
                 vocab = json.load(f)["vocab_size"]
-            ids = run_llm.prompts_token_ids(6, vocab)
-            assert all(0 < t < vocab for p in ids for t in p), size
-    args = SimpleNamespace(
-        case="eagle",
-        model="m",
-        draft="d",
-        eagle="e",
-        num_spec=3,
-        dtype="bfloat16",
-        gpu_mem_util=0.5,
-    )
-    kw = run_llm.llm_kwargs(args, run_llm.SIZES["1b"])
-    assert "cudagraph_capture_sizes" not in kw["compilation_config"]  # vLLM's defaults
-    assert (kw["max_num_seqs"], kw["max_model_len"], kw["max_num_batched_tokens"]) == (
-        256,
-        1024,
-        2048,
-    )
+            assert all(0 < t < vocab for p in run_llm.prompts_token_ids(6, vocab) for t in p)
+    with open(os.path.join(run_llm.CONFIGS, "llama-1b", "config.json")) as f:
+        target = json.load(f)
+    assert pick([target], "hidden_size num_hidden_layers vocab_size") == "2048 16 128256"
+    kw = _kwargs()
+    assert pick([kw], "max_num_seqs max_model_len max_num_batched_tokens") == "256 1024 2048"
+    assert kw["compilation_config"] == {
+        "mode": 3,
+        "cudagraph_mode": "FULL_AND_PIECEWISE",
+        "custom_ops": ["none"],
+    }  # vLLM's default sizes
     assert kw["speculative_config"] == {
         "method": "eagle",
         "model": "e",
         "num_speculative_tokens": 3,
     }
-    kw = run_llm.llm_kwargs(args, run_llm.SIZES["tiny"])
-    assert kw["compilation_config"]["cudagraph_capture_sizes"] == [1, 2, 4, 8, 16, 32]
-    assert run_llm.speculative_config("base", "d", "e", 3) is None
-    assert run_llm.speculative_config("draft", "d", "e", 3)["method"] == "draft_model"
+    small = _kwargs(capture="small", graph_mode="full")["compilation_config"]
+    assert (small["mode"], small["cudagraph_mode"]) == (0, "FULL")
+    assert small["cudagraph_capture_sizes"] == [1, 2, 4, 8, 16, 32]
+    assert run_llm.capture_sizes(run_llm.SIZES["tiny"], "default") == [1, 2, 4, 8, 16, 32]
+    with pytest.raises(ValueError, match="capture-size set"):
+        run_llm.capture_sizes(run_llm.SIZES["1b"], "large")
+    specs = {c: run_llm.speculative_config(c, "d", "e", 3, "t") for c in run_llm.CASES}
+    assert specs["base"] is None and specs["ngram"]["prompt_lookup_max"] == 4
+    assert (specs["draft"]["model"], specs["accept"]["model"]) == ("d", "t")
+    one, two = _kwargs("tiny", tp=1), _kwargs("tiny", tp=2)
+    tp = {k: two.pop(k) for k in list(two) if k not in one}
+    assert two == one and " ".join(map(str, tp.values())) == "2 mp True run_llm.E2EWorkerExtension"
+    assert _kwargs(tp=2, custom_all_reduce=True)["disable_custom_all_reduce"] is False
 
 
-def test_llama_1b_configs_are_1b_shaped():
-    def cfg(name: str) -> dict:
-        with open(os.path.join(run_llm.CONFIGS, name, "config.json")) as f:
-            return json.load(f)
-
-    target = cfg("llama-1b")
-    assert (target["hidden_size"], target["num_hidden_layers"], target["vocab_size"]) == (
-        2048,
-        16,
-        128256,
-    )
-    assert cfg("llama-1b-draft") == target | {"num_hidden_layers": 2}
-    assert cfg("llama-1b-eagle") == target | {"num_hidden_layers": 1}
-
-
-def test_spec_summary_and_missing_plugin_report():
-    s = run_llm.spec_summary({"vllm:spec_decode_num_drafts": 4})
-    assert s["drafts"] == 4 and s["acceptance_rate"] is None
-    assert run_llm.plugin_report(SimpleNamespace()) is None
-    assert run_llm.plugin_report(None) is None
-
-
-def _plugin_report(
-    estimate: dict[str, int], actual: dict[str, int] | None, one_time: int = 0
-) -> dict:
-    """The report as the plugin writes it (its own classes, test byte counts)."""
-    from vllm_specgraph.meter import OwnerMemory
-    from vllm_specgraph.patches._measurements import SpecgraphCapture
-    from vllm_specgraph.profile import GraphMemoryReport
-
-    def owners(figures):
-        return tuple(OwnerMemory(name, 1, nbytes, 0) for name, nbytes in figures.items())
-
-    report = GraphMemoryReport(owners(estimate), one_time, 0, 0, 0, 1.0)
-    return SpecgraphCapture(
-        report, capture_wall_seconds=1.0, actual=None if actual is None else owners(actual)
-    ).to_dict()
-
-
-def test_owner_figures_reads_the_plugin_report():
-    report = _plugin_report({"target": 4 * MiB, "draft": 2 * MiB}, {"target": 5 * MiB})
-    assert summarize.owner_figures(report) == {
-        "target": {"estimate": 4 * MiB, "actual": 5 * MiB},
-        "draft": {"estimate": 2 * MiB, "actual": None},
-    }
-    assert summarize.owner_figures(_plugin_report({"target": 1}, None)) == {
-        "target": {"estimate": 1, "actual": None}
-    }
-    assert summarize.owner_figures(None) == {}
-
-
-def _write(outdir, run: dict) -> None:
-    name = f"{run['size']}-{run['case']}-{run['plugin']['switch']}.json"
-    with open(os.path.join(outdir, name), "w") as f:
-        json.dump(run, f)
-
-
-def test_summarize_table_checks_and_carry_over(tmp_path, capsys):
-    toks = [[5, 6, 7], [8, 9]]
-    # The plugin's first pass kept 4 MiB of one-time process state: budgeted, and
-    # not counted as retained; its graph estimate equals the actual.
-    report = _plugin_report({"target": 30 * MiB}, {"target": 30 * MiB}, one_time=4 * MiB)
-    runs = [
-        # base: upstream over-estimates and leaves 32 MiB; the plugin is exact.
-        fake_run(
-            "tiny",
-            "base",
-            "off",
-            est=41 * MiB,
-            retained=32 * MiB,
-            actual=36 * MiB,
-            kv=7 << 30,
-            tokens=toks,
-        ),
-        fake_run(
-            "tiny",
-            "base",
-            "on",
-            est=34 * MiB,
-            retained=4 * MiB,
-            actual=30 * MiB,
-            kv=8 << 30,
-            tokens=toks,
-            report=report,
-        ),
-        # eagle: the plugin misses by 10 % and the tokens differ.
-        fake_run(
-            "tiny",
-            "eagle",
-            "off",
-            est=113 * MiB,
-            retained=100 * MiB,
-            actual=104 * MiB,
-            kv=7 << 30,
-            tokens=toks,
-        ),
-        fake_run(
-            "tiny",
-            "eagle",
-            "on",
-            est=90 * MiB,
-            retained=MiB,
-            actual=100 * MiB,
-            kv=8 << 30,
-            tokens=[[5, 6, 0], [8, 9]],
-        ),
-    ]
-    for r in runs[:2]:
-        r["commit"] = "abc1234"  # the eagle runs name no commit: code older than the record
-    out = tmp_path / "out"
-    out.mkdir()
-    for r in runs:
-        _write(out, r)
-    res = tmp_path / "res"
-    rc = summarize.main([str(out), "--results", str(res)])
-    assert rc == 1  # the eagle row fails
-    doc = json.loads((res / "vllm_graph_memory.json").read_text())
-    rows = {r["case"]: r for r in doc["rows"]}
-    base, eagle = rows["base"], rows["eagle"]
-    assert base["pass"] and base["status"] == "PASS"
-    assert base["upstream_error_bytes"] == 5 * MiB
-    assert base["upstream_error_pct"] == pytest.approx(100 * 5 / 36)
-    assert base["plugin_error_bytes"] == 0
-    assert (base["retained_off_bytes"], base["retained_on_bytes"]) == (32 * MiB, 4 * MiB)
-    assert base["retained_on_beyond_one_time_bytes"] == 0
-    assert base["budget_minus_taken_off_bytes"] == (41 - 32 - 36) * MiB
-    assert base["budget_minus_taken_on_bytes"] == 0
-    assert (base["plugin_estimate_bytes"], base["plugin_budget_bytes"]) == (30 * MiB, 34 * MiB)
-    assert (base["kv_tokens_off"], base["kv_tokens_on"]) == ((7 << 30) // 1024, (8 << 30) // 1024)
-    assert base["tokens_equal_on_off"] is True
-    assert base["owners_on"] == {"target": {"estimate": 30 * MiB, "actual": 30 * MiB}}
-    assert not eagle["pass"]
-    assert eagle["checks"] == {"estimate": False, "retained": True, "tokens": False}
-    assert eagle["status"] == "FAIL (estimate -10.0 %; tokens differ)"
-    md = (res / "vllm_graph_memory.md").read_text()
-    assert (
-        "| tiny | default | base | 41.0 / 30.0 | 34.0 | 36.0 / 30.0 "
-        "| +13.9 % (+5.0) / +0.0 % (+0.0) | 32.0 / 4.0 | -27.0 / 0.0 |" in md
-    )
-    assert "target 30.0 / 30.0" in md and "| PASS |" in md
-    assert base["commit"] == "abc1234" and eagle["commit"] is None
-    assert ", abc1234 | PASS |" in md
-    printed = capsys.readouterr().out
-    assert "SUMMARY: all runs ok=True (4/4), rows PASS=1/2" in printed
-
-    # A second invocation for another size carries over the tiny row that names
-    # its commit, and drops the one that does not.
-    out2 = tmp_path / "out2"
-    out2.mkdir()
-    for plugin in ("off", "on"):
-        _write(
-            out2,
-            fake_run(
-                "1b",
-                "base",
-                plugin,
-                est=200 * MiB,
-                retained=0,
-                actual=200 * MiB,
-                kv=60 << 30,
-                tokens=toks,
-            ),
-        )
-    res2 = tmp_path / "res2"
-    rc = summarize.main(
-        [str(out2), "--results", str(res2), "--previous", str(res / "vllm_graph_memory.json")]
-    )
-    assert rc == 0  # only this invocation's rows decide
-    doc2 = json.loads((res2 / "vllm_graph_memory.json").read_text())
-    assert [(r["size"], r["case"]) for r in doc2["rows"]] == [("tiny", "base"), ("1b", "base")]
-    assert {(r["size"], r["case"]) for r in doc2["runs"]} == {("tiny", "base"), ("1b", "base")}
-    assert list(doc2["sizes"]) == ["tiny", "1b"]
-    assert "| 1b | default | base |" in (res2 / "vllm_graph_memory.md").read_text()
-
-
-def test_summarize_counts_skipped_runs_as_not_run(tmp_path, capsys):
-    for plugin in ("off", "on"):
-        _write(
-            tmp_path,
-            fake_run(
-                "tiny", "base", plugin, est=MiB, retained=0, actual=MiB, kv=1 << 30, tokens=[[1]]
-            ),
-        )
-    (tmp_path / "skipped.txt").write_text("tiny-ngram-off\ntiny-ngram-on\n")
-    assert summarize.main([str(tmp_path)]) == 1
-    doc = json.loads((tmp_path / "bench" / "results" / "vllm_graph_memory.json").read_text())
-    assert doc["skipped"] == ["tiny-ngram-off", "tiny-ngram-on"]
-    assert [r["status"] for r in doc["rows"]] == ["PASS"]
-    assert "skipped for lack of time: tiny-ngram-off tiny-ngram-on" in capsys.readouterr().out
-
-
-# ---- budget figures, workloads ---------------------------------------------------
-
-
-def test_wrappers_record_the_workers_budget_and_the_step():
-    r = fake_run(
-        "tiny",
-        "base",
-        "off",
-        est=41 * MiB,
-        retained=32 * MiB,
-        actual=36 * MiB,
-        kv=7 << 30,
-        tokens=[[1, 2]],
-        step=150 * MiB,
-    )
-    m = r["mem"]
-    assert m["requested_bytes"] == (7 << 30) + HEADROOM + 41 * MiB
-    assert m["activation_headroom_bytes"] == HEADROOM
-    assert m["graph_estimate_applied_bytes"] == 41 * MiB
-    assert m["non_kv_bytes"] == HEADROOM
-    assert m["capture_started"] is True
-    # Held since the snapshot: retained + KV + actual; the limit at rest is
-    # requested - headroom = KV + estimate: over by retained + actual - estimate.
-    assert memory_budget.over_budget_bytes(m) == (32 + 36 - 41) * MiB
-    assert m["free_at_rest_bytes"] - m["free_after_step_bytes"] == 150 * MiB
-    assert m["step_reserved_peak_bytes"] == 150 * MiB
-    assert r["tokens"] == [[1, 2]] and r["spec"]["acceptance_rate"] == 0.4
-    assert r["sampled_with"] == [None]  # greedy
-    peak = fake_run(
-        "1b", "base", "on", est=1, retained=0, actual=1, kv=1 << 30, tokens=[[1]], workload="peak"
-    )
-    assert peak["sampled_with"] == [workloads.PEAK_SAMPLING]
-    assert peak["sampled_with"][0]["logprobs"] and "prompt_logprobs" not in peak["sampled_with"][0]
-
-
-def test_no_estimate_switch_leaves_the_graphs_out_of_the_budget(monkeypatch):
-    monkeypatch.setenv(ESTIMATE_ENV, "0")
-    r = fake_run(
-        "tiny",
-        "base",
-        "noest",
-        est=41 * MiB,
-        retained=32 * MiB,
-        actual=36 * MiB,
-        kv=7 << 30,
-        tokens=[[1]],
-    )
-    m = r["mem"]
-    assert m["graph_estimate_applied_bytes"] == 0
-    assert m["activation_headroom_bytes"] == HEADROOM
-    assert memory_budget.over_budget_bytes(m) == (32 + 36) * MiB
-
-
-def test_worker_budget_is_empty_without_a_profile():
-    assert memory_budget.worker_budget(SimpleNamespace(), True) == {}
-    assert memory_budget.over_budget_bytes({"init_free_bytes": 1}) is None
-
-
-def test_peak_and_load_requests():
-    peak = workloads.peak_requests(512, 256, 2048)
+def test_workload_requests_and_spec_counters():
+    peak = run_llm.peak_requests(512, 256, 2048)
     assert len(peak) == 256 and sum(len(ids) for ids, _ in peak) == 2048
-    assert {n for _, n in peak} == {workloads.PEAK_MAX_TOKENS}
-    assert sum(len(ids) for ids, _ in workloads.peak_requests(512, 8, 515)) == 515
+    assert {n for _, n in peak} == {16}
+    assert sum(len(ids) for ids, _ in run_llm.peak_requests(512, 8, 515)) == 515
     with pytest.raises(ValueError, match="at least max_num_seqs"):
-        workloads.peak_requests(512, 8, 4)
-    load = workloads.load_requests(128256, 256, 1024, seed=0)
-    assert load == workloads.load_requests(128256, 256, 1024, seed=0)
-    assert load != workloads.load_requests(128256, 256, 1024, seed=1)
+        run_llm.peak_requests(512, 8, 4)
+    load = run_llm.load_requests(128256, 256, 1024, seed=0)
+    assert load == run_llm.load_requests(128256, 256, 1024, seed=0)
+    assert load != run_llm.load_requests(128256, 256, 1024, seed=1)
     assert all(16 <= len(ids) <= 512 and 16 <= n <= 256 for ids, n in load)
     assert all(0 < t < 128255 for ids, _ in load for t in ids)
     assert len({len(ids) for ids, _ in load}) > 50 and len({n for _, n in load}) > 50
     with pytest.raises(ValueError, match="max_model_len"):
-        workloads.load_requests(512, 1, 32, seed=0)
+        run_llm.load_requests(512, 1, 32, seed=0)
+    before = run_llm.read_spec_counters(metrics(10, 30, 12, steps=40))
+    assert before["vllm:iteration_tokens_total"] == 40 and "vllm:num_requests_running" not in before
+    after = run_llm.read_spec_counters(metrics(20, 60, 27))
+    after["vllm:spec_decode_num_accepted_tokens_per_pos"] = [9, 8, 7]
+    delta = run_llm.counter_delta(before, after)
+    assert delta["vllm:spec_decode_num_accepted_tokens_per_pos"] == [4, 4, 7]
+    assert " ".join(map(str, run_llm.spec_summary(delta).values())) == "10 30 15 0.5 2.5"
+    assert run_llm.spec_summary({})["acceptance_rate"] is None
 
 
-def test_counter_delta_and_spec_counters():
-    before = workloads.read_spec_counters(fake_metrics(10, 30, 12, steps=40))
-    assert before == {
-        "vllm:iteration_tokens_total": 40,
-        "vllm:spec_decode_num_drafts": 10,
-        "vllm:spec_decode_num_draft_tokens": 30,
-        "vllm:spec_decode_num_accepted_tokens": 12,
-        "vllm:spec_decode_num_accepted_tokens_per_pos": [5, 4, 3],
-    }
-    after = workloads.read_spec_counters(fake_metrics(20, 60, 27)) | {
-        "vllm:spec_decode_num_accepted_tokens_per_pos": [9, 8, 7, 1]
-    }
-    delta = workloads.counter_delta(before, after)
-    assert delta["vllm:spec_decode_num_drafts"] == 10
-    assert delta["vllm:spec_decode_num_accepted_tokens_per_pos"] == [4, 4, 4, 1]
-    assert workloads.spec_summary(delta)["acceptance_rate"] == 0.5
+def test_run_load_times_only_the_repeats_and_counts_only_their_drafts():
+    ticks, calls = iter(range(100)), []
 
-
-def test_run_load_times_only_the_repeats():
-    ticks = iter(range(100))
-    calls: list[int] = []
-
-    def generate(requests):
+    def generate(requests: list) -> list[list[int]]:
         calls.append(len(requests))
         return [[7] * n for _, n in requests]
 
     def counters() -> dict:
-        # Every request drafts 3 times (9 draft tokens); a timed one has 6 of them
-        # accepted, the warm-up's none (counted in, it would lower the rate).
-        # Every request takes 5 engine steps.
+        # Every request drafts 3 times (9 tokens); a timed one has 6 accepted, the
+        # warm-up's none (counted in, it would lower the rate); 5 engine steps each.
         n = sum(calls)
-        return workloads.read_spec_counters(
-            fake_metrics(3 * n, 9 * n, 6 * sum(calls[1:]), steps=5 * n)
-        )
+        return run_llm.read_spec_counters(metrics(3 * n, 9 * n, 6 * sum(calls[1:]), steps=5 * n))
 
-    requests = [([1, 2], 5), ([3], 7)]
-    warmup = [([1], 2)]
-    out = workloads.run_load(
-        generate,
-        counters,
-        requests,
-        warmup,
-        repeats=2,
-        clock=lambda: float(next(ticks)),
-    )
+    requests, clock = [([1, 2], 5), ([3], 7)], lambda: float(next(ticks))
+    out = run_llm.run_load(generate, counters, requests, [([1], 2)], repeats=2, clock=clock)
     assert calls == [1, 2, 2]  # the warm-up first, then the timed repeats
-    repeat = {"wall_s": 1.0, "generated_tokens": 12, "tokens_per_s": 12.0}
-    assert out["repeats"] == [repeat | {"engine_steps": 10, "step_ms": 100.0}] * 2
-    assert out["step_ms_median"] == 100.0
-    assert out["tokens_per_s_best"] == out["tokens_per_s_median"] == 12.0
+    repeats = "wall_s generated_tokens tokens_per_s engine_steps step_ms"
+    assert pick(out["repeats"], repeats) == "1.0 12 12.0 10 100.0; 1.0 12 12.0 10 100.0"
+    assert pick([out], "step_ms_median tokens_per_s_best tokens_per_s_median") == "100.0 12.0 12.0"
     assert out["repeats_equal"] is True and out["tokens"] == [[7] * 5, [7] * 7]
     assert out["spec"]["drafts"] == 12 and out["spec"]["acceptance_rate"] == round(24 / 36, 4)
-    assert (out["num_requests"], out["prompt_tokens"], out["max_tokens"]) == (2, 3, 12)
+    assert pick([out], "num_requests prompt_tokens max_tokens") == "2 3 12"
     flaky = iter([[[1]], [[1]], [[2]]])
-    again = workloads.run_load(lambda r: next(flaky), dict, [([1], 1)], [], repeats=2)
-    assert again["repeats_equal"] is False
+    assert not run_llm.run_load(lambda r: next(flaky), dict, [([1], 1)], [], 2)["repeats_equal"]
     with pytest.raises(ValueError, match="repeats"):
-        workloads.run_load(generate, dict, requests, warmup, repeats=0)
-
-
-def test_run_workload_load_records_throughput_and_the_first_tokens():
-    r = fake_run(
-        "1b",
-        "draft",
-        "on",
-        est=1,
-        retained=0,
-        actual=1,
-        kv=1 << 30,
-        tokens=[[4, 5]],
-        workload="load",
-    )
-    load = r["load"]
-    assert load["num_requests"] == 4 and len(load["repeats"]) == 2
-    assert r["tokens"] == [[4, 5]] and "tokens" not in load
-    assert load["spec"] == r["spec"] and r["spec"]["drafts"] == 0  # counters did not move
+        run_llm.run_load(generate, dict, [], [], repeats=0)
+    r = fake_run("1b", "draft", "on", [[4]], EXACT, workload="load")
+    assert r["tokens"] == [[4]] and "tokens" not in r["load"] and len(r["load"]["repeats"]) == 2
+    assert r["generate_s"] == sum(x["wall_s"] for x in r["load"]["repeats"])
     assert "free_at_rest_bytes" in r["mem"] and "free_after_step_bytes" not in r["mem"]
-    assert r["generate_s"] == sum(x["wall_s"] for x in load["repeats"])
+    peak = fake_run("1b", "base", "on", [[1]], EXACT, workload="peak")
+    assert peak["sampled_with"] == [run_llm.PEAK_SAMPLING] and run_llm.PEAK_SAMPLING["logprobs"]
 
 
-def test_capture_size_sets():
-    args = SimpleNamespace(
-        case="base",
-        model="m",
-        draft="d",
-        eagle="e",
-        num_spec=3,
-        dtype="bfloat16",
-        gpu_mem_util=0.5,
-        capture="small",
-    )
-    kw = run_llm.llm_kwargs(args, run_llm.SIZES["1b"])
-    assert kw["compilation_config"]["cudagraph_capture_sizes"] == [1, 2, 4, 8, 16, 32]
-    assert run_llm.capture_sizes(run_llm.SIZES["1b"], "default") is None
-    assert run_llm.capture_sizes(run_llm.SIZES["tiny"], "default") == [1, 2, 4, 8, 16, 32]
-    with pytest.raises(ValueError, match="capture-size set"):
-        run_llm.capture_sizes(run_llm.SIZES["1b"], "large")
+def test_plugin_share_counts_the_package_own_time_per_step(tmp_path, monkeypatch):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "hot.py").write_text("def wrapper(fn):\n    return fn()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from pkg import hot
 
+    steps = [0]
 
-def test_summarize_noest_capture_sets_peak_and_load(tmp_path, capsys):
-    toks = [[5, 6, 7]]
-    exact = _plugin_report({"target": 30 * MiB}, {"target": 30 * MiB}, one_time=4 * MiB)
-    off_fig = {"est": 41 * MiB, "retained": 32 * MiB, "actual": 36 * MiB, "kv": 7 << 30}
-    on_fig = {"est": 34 * MiB, "retained": 4 * MiB, "actual": 30 * MiB, "kv": 7 << 30}
-    out = tmp_path / "out"
-    out.mkdir()
+    def generate(requests: list) -> list:
+        for _ in requests:
+            steps[0] += 1
+            hot.wrapper(lambda: sum(i * i for i in range(2000)))
+        return [[1]] * len(requests)
 
-    def write(run: dict, name: str, where=out) -> None:
-        (where / f"{name}.json").write_text(json.dumps(run | {"commit": "abc1234"}))
+    share = run_llm.plugin_share(generate, [([1], 1)] * 50, f"{tmp_path}/pkg/", lambda: steps[0])
+    assert share["engine_steps"] == 50 and share["plugin_calls_per_step"] == 1.0
+    assert 0 < share["plugin_share"] < 0.5 and share["plugin_s"] < share["profiled_s"]
+    assert share["plugin_top"][0].startswith("wrapper ")
 
-    for capture, suffix in (("default", ""), ("small", "-small")):
-        write(
-            fake_run("1b", "base", "off", tokens=toks, capture=capture, **off_fig), f"off{suffix}"
-        )
-        on = fake_run("1b", "base", "on", tokens=toks, report=exact, capture=capture, **on_fig)
-        write(on, f"on{suffix}")
-    os.environ[ESTIMATE_ENV] = "0"
-    try:
-        write(fake_run("1b", "base", "noest", tokens=toks, **off_fig), "noest")
-    finally:
-        del os.environ[ESTIMATE_ENV]
-    for switch, fig, report in (("off", off_fig, None), ("on", on_fig, exact)):
-        peak = fake_run(
-            "1b", "base", switch, tokens=toks, workload="peak", step=150 * MiB, report=report, **fig
-        )
-        write(peak, f"{switch}-peak")
-        write(peak | {"utilization": 0.9}, f"{switch}-peak-util0.9")  # a limit of its own
 
-    for switch, rate in (("off", 1000.0), ("on", 1010.0)):
-        load = fake_run("1b", "draft", switch, tokens=toks, workload="load", **on_fig)
-        for repeat in load["load"]["repeats"]:
-            repeat["tokens_per_s"] = rate
-        load["gpu"] = {"visible_devices": "1"}
-        write(load, f"load-{switch}")
-
-    (out / "gpu.txt").write_text("0, NVIDIA H200, 143771 MiB\n1, NVIDIA H200, 143771 MiB\n")
-    res = tmp_path / "res"
-    assert summarize.main([str(out), "--results", str(res)]) == 0
-    doc = json.loads((res / "vllm_graph_memory.json").read_text())
-    rows = {(r["size"], r["case"]): r for r in doc["rows"]}
-    assert list(rows) == [
-        ("1b", "base"),
-        ("1b-small", "base"),
-        ("1b-peak", "base"),
-        ("1b-peak-util0.9", "base"),
-    ]
-    base = rows[("1b", "base")]
-    assert base["noest_estimate_applied_bytes"] == 0
-    assert base["budget_minus_taken_noest_bytes"] == -(32 + 36) * MiB
-    assert base["over_budget_noest_bytes"] == (32 + 36) * MiB
-    assert (base["over_budget_off_bytes"], base["over_budget_on_bytes"]) == (27 * MiB, 0)
-    assert base["tokens_equal_noest_off"] is True and base["capture"] == "default"
-    assert rows[("1b-small", "base")]["capture"] == "small"
-    md = (res / "vllm_graph_memory.md").read_text()
-    assert "| 1b | default | base | 41.0 / 30.0 / 0.0 | 34.0 |" in md
-    assert "| -27.0 / 0.0 / -68.0 | 27.0 / 0.0 / 68.0 |" in md
-    assert "| 1b-small | small | base |" in md
-    assert "on 0, NVIDIA H200, 143771 MiB; 1, NVIDIA H200, 143771 MiB, torch" in md
-
-    loads = json.loads((res / "vllm_load.json").read_text())["rows"]
-    assert [(r["size"], r["case"], r["ratio_on_off_median"], r["pass"]) for r in loads] == [
-        ("1b", "draft", 1.01, True)
-    ]
-    load_md = (res / "vllm_load.md").read_text()
-    assert "| 1b | draft | 4 |" in load_md and "| 1.010 |" in load_md
-    printed = capsys.readouterr().out
-    assert "[load 1b/draft] PASS" in printed
-    assert "baseline 1b/off:" in printed and "baseline 1b-peak" not in printed
-
-    # A later invocation of another case of the same size keeps the other rows,
-    # each with its date and commit.
-    out2 = tmp_path / "out2"
-    out2.mkdir()
-    for switch, fig in (("off", off_fig), ("on", on_fig)):
-        write(fake_run("1b", "draft", switch, tokens=toks, report=exact, **fig), switch, out2)
-    res2 = tmp_path / "res2"
-    assert (
-        summarize.main(
-            [str(out2), "--results", str(res2), "--previous", str(res / "vllm_graph_memory.json")]
-        )
-        == 0
-    )
-    doc2 = json.loads((res2 / "vllm_graph_memory.json").read_text())
-    assert [(r["size"], r["case"]) for r in doc2["rows"]] == [
-        ("1b", "base"),
-        ("1b", "draft"),
-        ("1b-small", "base"),
-        ("1b-peak", "base"),
-        ("1b-peak-util0.9", "base"),
-    ]
-    assert all(r["measured_utc"] and r["commit"] == "abc1234" for r in doc2["rows"])
-    assert not (res2 / "vllm_load.json").exists()
-
-
-def load_run(
-    rates: list[float],
-    round_: int = 1,
-    tokens: list | None = None,
-    steps: list[float] | None = None,
-    spec: tuple[int, int, int] = (0, 0, 0),
-) -> dict:
-    """A load run's result: one timed repeat per rate (and step time)."""
-    repeats = [
-        {"generated_tokens": 3, "tokens_per_s": rate, "step_ms": step}
-        for rate, step in zip(rates, steps or [None] * len(rates), strict=True)
-    ]
-    drafts, draft_tokens, accepted = spec
-    load = {
-        "num_requests": 2,
-        "repeats": repeats,
-        "repeats_equal": True,
-        "spec": {"drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted},
-    }
-    return {"ok": True, "tokens": tokens or [[1]], "load_round": round_, "load": load}
-
-
-def _load_cells(row: dict) -> dict[str, str]:
-    return dict(zip(summarize_load.COLUMNS, summarize_load.row_cells(row), strict=True))
-
-
-def test_load_row_fails_when_on_is_slower_than_the_target_or_tokens_differ():
-    row = summarize_load.build_row("1b", "draft", [load_run([1000.0])], [load_run([970.0])])
-    assert row["status"] == "FAIL (on/off 0.970)"
-    row = summarize_load.build_row("1b", "draft", [load_run([1000.0])], [load_run([980.0])])
-    assert row["status"] == "PASS"
-    # Faster with the plugin on is the runs' spread, not a cost: shown, not failed.
-    row = summarize_load.build_row("1b", "draft", [load_run([1000.0])], [load_run([1100.0])])
-    assert (row["ratio_on_off_median"], row["status"]) == (1.1, "PASS")
-    row = summarize_load.build_row(
-        "1b", "draft", [load_run([1000.0])], [load_run([1000.0], tokens=[[2]])]
-    )
-    assert row["status"] == "FAIL (tokens differ: on r1 from off r1)"
-    row = summarize_load.build_row("1b", "draft", [], [load_run([1000.0], tokens=[[2]])])
-    assert row["status"] == "FAIL (tokens missing; no tokens/s)"
-
-
-def test_load_row_pools_the_rounds_and_checks_the_ratio_of_the_medians():
-    # Round 1's off run had one fast repeat: on/off of the best repeats is 0.9,
-    # of the medians over both rounds 98 / 97.
-    offs = [
-        load_run([98.0, 95.0], 2, steps=[3.0, 3.2], spec=(10, 30, 18)),
-        load_run([110.0, 96.0], 1, steps=[2.0, 3.1], spec=(10, 30, 12)),
-    ]
-    ons = [
-        load_run([97.0, 99.0], 1, steps=[3.0, 2.9], spec=(10, 30, 15)),
-        load_run([96.0, 99.0], 2, steps=[3.1, 2.9], spec=(10, 30, 15)),
-    ]
-    row = summarize_load.build_row("1b", "draft", offs, ons)
-    assert row["tokens_per_s_off"] == {"median": 97.0, "best": 110.0, "lowest": 95.0}
-    assert row["tokens_per_s_on"] == {"median": 98.0, "best": 99.0, "lowest": 96.0}
-    assert row["ratio_on_off_median"] == round(98 / 97, 4)
-    assert row["checks"] == {"tokens": True, "ratio": True} and row["status"] == "PASS"
-    assert [(r["round"], r["ratio_on_off"]) for r in row["rounds"]] == [
-        (1, round(98 / 103, 4)),
-        (2, round(97.5 / 96.5, 4)),
-    ]
-    assert (row["runs_off"], row["runs_on"]) == (2, 2)
-    assert (row["step_ms_off"], row["step_ms_on"]) == (3.05, 2.95)
-    assert row["step_ratio_on_off"] == round(2.95 / 3.05, 4)
-    assert (row["acceptance_off"], row["mean_acceptance_length_off"]) == (0.5, 2.5)
-    assert [r["round"] for r in row["repeats_off"]] == [1, 1, 2, 2]
-    cells = _load_cells(row)
-    assert cells["runs off / on"] == "2 / 2"
-    assert cells["tokens/s off: median (lowest - best)"] == "97 (95 - 110)"
-    assert cells["on / off (medians)"] == "1.010"
-    assert cells["on / off per round"] == "r1 0.952, r2 1.010"
-    assert cells["engine step ms off / on (median)"] == "3.05 / 2.95"
-    assert cells["step on / off"] == "0.967"
-    # Drift that favours the run that comes later cancels over an ABBA pair.
-    drift = summarize_load.build_row(
-        "1b",
-        "draft",
-        [load_run([100.0], 1), load_run([103.0], 2)],
-        [load_run([101.0], 1), load_run([102.0], 2)],
-    )
-    assert drift["ratio_on_off_median"] == 1.0
-    assert [r["ratio_on_off"] for r in drift["rounds"]] == [1.01, round(102 / 103, 4)]
-
-
-def test_load_row_fails_when_any_round_differs_in_its_tokens():
-    offs = [load_run([100.0], 1), load_run([100.0], 2)]
-    ons = [load_run([100.0], 1), load_run([100.0], 2, tokens=[[1, 9]])]
-    row = summarize_load.build_row("1b", "draft", offs, ons)
-    assert row["tokens_equal_on_off"] is False and row["tokens_differing"] == ["on r2"]
-    assert row["status"] == "FAIL (tokens differ: on r2 from off r1)"
-    offs[1]["tokens"] = [[1, 9]]  # off and on of round 2 agree, round 1 does not
-    row = summarize_load.build_row("1b", "draft", offs, ons)
-    assert row["tokens_differing"] == ["off r2", "on r2"] and not row["pass"]
-    assert _load_cells(row)["tokens equal (all runs)"] == "False"
-
-
-def test_load_row_names_where_each_run_got_its_compiled_graphs(tmp_path):
-    """A run that compiled torch.compile's graphs itself, beside runs that loaded
-    them from vLLM's cache, is named in the reason its tokens differ."""
-
-    def with_log(run: dict, name: str, text: str) -> dict:
-        (tmp_path / name).write_text(text)
-        return run | {"_log": str(tmp_path / name)}
-
-    compiled = "[backbone] Compiling a graph for compile range (1, 2048) takes 9.81 s\n"
-    cached = "[backbone] Directly load the compiled graph(s) for compile range (1, 2048)\n"
-    offs = [with_log(load_run([100.0]), "off.log", compiled)]
-    ons = [with_log(load_run([100.0], tokens=[[1, 9]]), "on.log", cached)]
-    row = summarize_load.build_row("8b-compile", "accept", offs, ons)
-    assert row["compile_sources"] == {"off r1": "compiled", "on r1": "cache"}
-    assert row["status"] == (
-        "FAIL (tokens differ: on r1 from off r1 (torch.compile: off r1 compiled, on r1 cache))"
-    )
-    ons = [with_log(load_run([100.0], tokens=[[1, 9]]), "on2.log", compiled)]
-    row = summarize_load.build_row("8b-compile", "accept", offs, ons)
-    assert row["status"] == "FAIL (tokens differ: on r1 from off r1)"
-    full = summarize_load.build_row("1b", "accept", [load_run([1.0])], [load_run([1.0])])
-    assert full["compile_sources"] is None
-
-
-def test_load_rows_from_the_rounds_that_ran(tmp_path, capsys):
-    """Round 2 ran on, then its off run was skipped: the row pools what ran and
-    says so; the invocation fails, as for any run that did not run."""
-    out = tmp_path / "out"
-    out.mkdir()
-    for name, run in (
-        ("1b-draft-off-load", load_run([100.0, 98.0], 1)),
-        ("1b-draft-on-load", load_run([99.0, 99.0], 1)),
-        ("1b-draft-on-load-r2", load_run([97.0, 101.0], 2)),
-    ):
-        run |= {"size": "1b", "case": "draft", "workload": "load"}
-        run["plugin"] = {"switch": name.split("-")[2]}
-        (out / f"{name}.json").write_text(json.dumps(run))
-    (out / "skipped.txt").write_text("1b-draft-off-load-r2\n")
-    res = tmp_path / "res"
-    assert summarize.main([str(out), "--results", str(res)]) == 1
-    (row,) = json.loads((res / "vllm_load.json").read_text())["rows"]
-    assert (row["runs_off"], row["runs_on"], row["ratio_on_off_median"]) == (1, 2, 1.0)
-    assert row["status"] == "PASS"
-    cells = _load_cells(row)
-    assert (cells["runs off / on"], cells["on / off per round"]) == ("1 / 2", "r1 1.000, r2 -")
-    assert "| 1b | draft | 2 | 1 / 2 | 99 (98 - 100) |" in (res / "vllm_load.md").read_text()
-    printed = capsys.readouterr().out
-    assert "[1b/draft/on/load/round 2] ok" in printed
-    assert "SUMMARY: all runs ok=False (3/3), rows PASS=1/1" in printed
-    # A run that stopped before its repeats adds nothing either.
-    failed = {"ok": False, "stage": "init", "load_round": 2}
-    row = summarize_load.build_row("1b", "draft", [load_run([100.0]), failed], [load_run([100.0])])
-    assert (row["runs_off"], row["status"]) == (1, "PASS")
-
-
-def test_load_row_compares_with_no_speculator_and_names_its_commit():
-    offs = [load_run([100.0]) | {"commit": "abc"}]
-    ons = [load_run([99.0]) | {"commit": "abc"}, load_run([101.0], 2) | {"commit": "abd"}]
-    base = [load_run([50.0]), load_run([40.0], 2), {"ok": False}]
-    row = summarize_load.build_row("1b", "accept", offs, ons, base)
-    assert row["tokens_per_s_no_speculator"] == 45.0
-    assert row["ratio_on_no_speculator"] == round(100 / 45, 4)
-    assert row["commit"] == "abc abd"
-    cells = _load_cells(row)
-    assert (cells["on / no speculator"], cells["commit"]) == ("2.222", "abc abd")
-    alone = summarize_load.build_row("1b", "base", base, base)
-    assert alone["ratio_on_no_speculator"] is None and alone["commit"] is None
-
-
-def test_load_write_carries_only_rows_that_name_their_commit(tmp_path):
-    measured = summarize_load.build_row(
-        "tiny", "draft", [load_run([10.0]) | {"commit": "abc"}], [load_run([10.0])]
-    )
-    unnamed = summarize_load.build_row("8b", "draft", [load_run([10.0])], [load_run([10.0])])
-    first, _ = summarize_load.write([measured, unnamed], str(tmp_path / "a"))
-    new = summarize_load.build_row("1b", "draft", [load_run([100.0])], [load_run([100.0])])
-    second, _ = summarize_load.write([new], str(tmp_path / "b"), first)
-    doc = json.loads(Path(second).read_text())
-    assert doc["schema"] == summarize_load.SCHEMA
-    assert [(r["size"], r["commit"]) for r in doc["rows"]] == [("1b", None), ("tiny", "abc")]
-    markdown = (tmp_path / "b" / "vllm_load.md").read_text()
-    assert "| tiny | draft | 2 | 1 / 1 | 10 (10 - 10) |" in markdown
-
-
-# ---- the device script's scheduling, with stand-ins for nvidia-smi and python3 ----
-
-FAKE_NVIDIA_SMI = """#!/usr/bin/env bash
-for i in $(seq 0 $(( ${FAKE_GPUS:-2} - 1 ))); do
-  case "$1" in
-    --query-gpu=index) echo "$i" ;;
-    --query-gpu=index,uuid) echo "$i, GPU-fake-$i" ;;
-    --query-gpu=*) echo "$i, Fake GPU, 1000 MiB, 0 MiB, 0.0" ;;
-  esac
-done
-"""
-
-# Setup steps succeed without doing anything; run_llm.py is FAKE_RUN; the rest
-# (memory_budget.py, summarize.py) is the real thing.
-FAKE_PYTHON = """#!/usr/bin/env bash
-case "$*" in
-  *run_llm.py*) exec "$REAL_PYTHON" "$FAKE_RUN" "$@" ;;
-  "-m pip "*|*apply_shims.py*|*install_plugin.py*) exit 0 ;;
-esac
-exec "$REAL_PYTHON" "$@"
-"""
-
-FAKE_RUN = """
-import argparse, json, os, sys, time
-ap = argparse.ArgumentParser()
-names = ("size", "case", "plugin", "capture", "allocator", "workload", "gpu-mem-util", "out", "tp")
-for name in names:
-    ap.add_argument("--" + name)
-ap.add_argument("--load-round", type=int)
-args, _ = ap.parse_known_args()
-start = time.time()
-time.sleep(float(os.environ.get("FAKE_RUN_S", "0.5")))
-MiB = 1 << 20
-total, headroom = 80 << 30, 100 * MiB
-init_free = total - (1 << 30)
-util = float(args.gpu_mem_util or 0.5)
-requested = int(total * util)
-over = {"off": 27 * MiB, "noest": 68 * MiB}.get(args.plugin, 0)
-rest = init_free - (requested - headroom + over)
-mem = {
-    "init_free_bytes": init_free, "init_total_bytes": total, "requested_bytes": requested,
-    "activation_headroom_bytes": headroom, "free_at_rest_bytes": rest,
-    "free_after_step_bytes": rest - 150 * MiB,
-}
-result = {
-    "size": args.size, "case": args.case, "plugin": {"switch": args.plugin},
-    "capture": args.capture, "allocator": args.allocator, "workload": args.workload,
-    "ok": True, "stage": "done",
-    "mem": mem, "tokens": [[1, 2]], "argv": sys.argv[1:], "start": start, "end": time.time(),
-    "lane": os.environ.get("CUDA_VISIBLE_DEVICES"), "gpu_memory_utilization": util,
-}
-if args.workload == "load":
-    result["load_round"] = args.load_round
-    result["load"] = {"repeats": [{"generated_tokens": 2, "tokens_per_s": 100.0}]}
-json.dump(result, open(args.out, "w"))
-"""
-
-
-@pytest.fixture
-def device_script(tmp_path):
-    """Runs a copy of scripts/device-vllm-e2e.sh in a stand-in repository, with
-    nvidia-smi and python3 stand-ins on PATH; returns (run, out dir)."""
-    import shutil
-    import subprocess
-    import tarfile
-
-    repo = tmp_path / "repo"
-    (repo / "scripts").mkdir(parents=True)
-    shutil.copy(os.path.join(SCRIPTS, "device-vllm-e2e.sh"), repo / "scripts")
-    os.symlink(os.path.join(SCRIPTS, "vllm_e2e"), repo / "scripts" / "vllm_e2e")
-    (repo / ".e2e" / "wheels").mkdir(parents=True)
-    (repo / ".e2e" / "wheels" / "x-1-py3-none-any.whl").write_text("")
-    with tarfile.open(repo / ".e2e" / "vllm-py.tar.gz", "w:gz"):
-        pass
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, text in (("nvidia-smi", FAKE_NVIDIA_SMI), ("python3", FAKE_PYTHON)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    (tmp_path / "fake_run.py").write_text(FAKE_RUN)
-    out = tmp_path / "out"
-
-    def run(**env: str) -> subprocess.CompletedProcess:
-        full = {
-            "PATH": f"{bin_dir}:{os.environ['PATH']}",
-            "REAL_PYTHON": sys.executable,
-            "FAKE_RUN": str(tmp_path / "fake_run.py"),
-            "OUT": str(out),
-            "E2E_WORK": str(tmp_path / "work"),
-            "TRITON_CACHE_DIR": str(tmp_path / "triton"),
-            "HOME": str(tmp_path),
-            "GRAPHS": "full",  # most tests here: the script's second graph mode
-        } | env
-        return subprocess.run(
-            ["bash", str(repo / "scripts" / "device-vllm-e2e.sh")],
-            env=full,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-
-    return run, out
-
-
-def _runs(out) -> dict[str, dict]:
-    return {
-        p.name[: -len(".json")]: json.loads(p.read_text())
-        for p in out.glob("*.json")
-        if not p.name.startswith("plan-")
-    }
-
-
-def _overlap(a: dict, b: dict) -> bool:
-    return a["start"] < b["end"] and b["start"] < a["end"]
-
-
-def test_device_script_default_graph_mode_is_vllms_with_one_compile_warm_up_per_case(
-    device_script, tmp_path
-):
-    """Without GRAPHS, vLLM's default (torch.compile): before the first measured run
-    of a (size, case), one unmeasured run without the plugin fills the compile
-    cache; it is not among the results, and the next invocation needs none."""
-    run, out = device_script
-    done = run(SIZES="tiny", CASES="base draft", PLUGIN="off on", GRAPHS="", GPUS="0")
-    runs = _runs(out)
-    assert sorted(runs) == sorted(
-        f"tiny-{c}-{p}-compile" for c in ("base", "draft") for p in ("off", "on")
-    )
-    work = tmp_path / "work"
-    for case in ("base", "draft"):
-        warm = json.loads((work / f"compile-warmup-tiny-{case}-default.json").read_text())
-        assert warm["plugin"] == {"switch": "none"} and "compile" in warm["argv"]
-        measured = [runs[f"tiny-{case}-{p}-compile"] for p in ("off", "on")]
-        assert all(warm["end"] <= r["start"] for r in measured)
-        assert (out / f"compile-warmup-tiny-{case}-default.txt").exists()
-    assert done.stdout.count("compile cache warm-up") == 2
-    again = run(SIZES="tiny", CASES="base", PLUGIN="on", GRAPHS="", GPUS="0")
-    assert "run tiny-base-on-compile rc=0" in again.stdout
-    assert "compile cache warm-up" not in again.stdout
-    # vLLM's compile cache is keyed by the capture sizes too: another set, another warm-up.
-    small = run(SIZES="tiny", CASES="base", PLUGIN="on", GRAPHS="", GPUS="0", CAPTURE="small")
-    assert "compile cache warm-up tiny-base-small rc=0" in small.stdout
-
-
-def test_device_script_serve_mode_refuses_what_it_does_not_run(device_script):
-    run, _ = device_script
-    for env, says in (
-        ({"PLUGIN": "on"}, 'MODE=serve runs PLUGIN="off on" only'),
-        ({"TP": "2"}, "MODE=serve runs TP=1"),
-        ({"CAPTURE": "small"}, "MODE=serve runs TP=1, CAPTURE=default"),
-    ):
-        done = run(MODE="serve", **env)
-        assert done.returncode == 2 and says in done.stdout, done.stdout
-
-
-def test_device_script_runs_one_run_per_gpu_at_a_time(device_script):
-    run, out = device_script
-    done = run(SIZES="tiny", CASES="base draft ngram", PLUGIN="off on")
-    assert "lanes (CUDA_VISIBLE_DEVICES): 0 1" in done.stdout, done.stdout + done.stderr
-    runs = _runs(out)
-    assert sorted(runs) == sorted(
-        f"tiny-{c}-{p}" for c in ("base", "draft", "ngram") for p in ("off", "on")
-    )
-    lanes = {r["lane"] for r in runs.values()}
-    assert lanes == {"0", "1"}
-    pairs = [(a, b) for a in runs.values() for b in runs.values() if a is not b]
-    assert not [(a, b) for a, b in pairs if a["lane"] == b["lane"] and _overlap(a, b)]
-    assert [(a, b) for a, b in pairs if a["lane"] != b["lane"] and _overlap(a, b)]
-    assert (out / "bench" / "results" / "vllm_graph_memory.md").exists()
-    assert "SUMMARY: all runs ok=True (6/6)" in done.stdout
-
-
-def _arg(run: dict, name: str) -> str:
-    return run["argv"][run["argv"].index(name) + 1]
-
-
-def test_device_script_runs_each_load_round_on_one_gpu_and_rounds_at_once(device_script):
-    run, out = device_script
-    out.mkdir()
-    # A third round of an earlier invocation, and a round of one at TP=2.
-    stale = out / "tiny-draft-on-load-r3.json"
-    stale.write_text(json.dumps({"size": "tiny", "case": "draft", "workload": "load"}))
-    (out / "tiny-draft-on-load-r3.log").write_text("")
-    (out / "tiny-draft-on-load-r2-tp2.log").write_text("")
-    done = run(MODE="load", SIZES="tiny", CASES="base draft", LOAD_REQUESTS="8")
-    assert not (out / "tiny-draft-on-load-r3.log").exists()
-    assert (out / "tiny-draft-on-load-r2-tp2.log").exists()
-    runs = _runs(out)
-    assert sorted(runs) == sorted(
-        f"tiny-{c}-{p}-load{r}"
-        for c in ("base", "draft")
-        for p in ("off", "on")
-        for r in ("", "-r2")
-    ), done.stdout + done.stderr
-    for case in ("base", "draft"):
-        # ABBA: off, on in round 1, on, off in round 2; a round's runs one after the
-        # other on one lane.
-        rounds = [
-            [runs[f"tiny-{case}-{n}"] for n in ("off-load", "on-load")],
-            [runs[f"tiny-{case}-{n}"] for n in ("on-load-r2", "off-load-r2")],
-        ]
-        for number, order in enumerate(rounds, 1):
-            assert len({r["lane"] for r in order}) == 1
-            assert order[0]["end"] <= order[1]["start"]
-            assert [_arg(r, "--load-round") for r in order] == [str(number)] * 2
-            assert [r["load_round"] for r in order] == [number] * 2
-        assert _arg(rounds[0][0], "--load-requests") == "8"
-    # Two lanes: the rounds of a case run at once, one per lane.
-    first, second = runs["tiny-base-off-load"], runs["tiny-base-on-load-r2"]
-    assert first["lane"] != second["lane"]
-    assert second["start"] < first["end"] and first["start"] < second["end"]
-    loads = json.loads((out / "bench" / "results" / "vllm_load.json").read_text())["rows"]
-    assert [(r["case"], r["runs_off"], r["runs_on"]) for r in loads] == [
-        ("base", 2, 2),
-        ("draft", 2, 2),
-    ]
-    three = run(MODE="load", SIZES="tiny", CASES="draft", GPUS="0", LOAD_ROUNDS="3")
-    runs = _runs(out)
-    order = sorted(
-        (r for n, r in runs.items() if n.startswith("tiny-draft-")), key=lambda r: r["start"]
-    )
-    assert [(r["plugin"]["switch"], r["load_round"]) for r in order] == [
-        ("off", 1),
-        ("on", 1),
-        ("on", 2),
-        ("off", 2),
-        ("off", 3),
-        ("on", 3),
-    ], three.stdout + three.stderr
-    refused = run(MODE="load", LOAD_ROUNDS="0")
-    assert refused.returncode == 2 and "LOAD_ROUNDS must be a positive integer" in refused.stdout
-
-
-def test_device_script_skips_runs_past_the_budget(device_script):
-    run, out = device_script
-    done = run(SIZES="tiny", CASES="base", BUDGET="40")
-    assert sorted((out / "skipped.txt").read_text().split()) == ["tiny-base-off", "tiny-base-on"]
-    assert not _runs(out)
-    assert (out / "bench" / "results" / "vllm_graph_memory.json").exists(), done.stdout
-    run(MODE="load", SIZES="tiny", CASES="base", BUDGET="40")  # each round's runs, one by one
-    assert sorted((out / "skipped.txt").read_text().split()) == [
-        "tiny-base-off-load",
-        "tiny-base-off-load-r2",
-        "tiny-base-on-load",
-        "tiny-base-on-load-r2",
-    ]
-
-
-def test_device_script_packs_tensor_parallel_gpu_groups(device_script):
-    run, out = device_script
-    done = run(SIZES="tiny", CASES="base", TP="2", FAKE_GPUS="4")
-    assert "lanes (CUDA_VISIBLE_DEVICES): 0,1 2,3" in done.stdout, done.stdout + done.stderr
-    runs = _runs(out)
-    assert {r["lane"] for r in runs.values()} == {"0,1", "2,3"}
-    assert set(runs) == {"tiny-base-off-tp2", "tiny-base-on-tp2"}
-    assert all("--tp" in r["argv"] for r in runs.values())
-    limited = run(SIZES="tiny", CASES="base", PLUGIN="on", CUDA_VISIBLE_DEVICES="3,1")
-    assert "lanes (CUDA_VISIBLE_DEVICES): 3 1" in limited.stdout, limited.stdout
-    refused = run(TP="2", FAKE_GPUS="1")
-    assert refused.returncode == 2 and "TP=2 needs 2 GPUs" in refused.stdout
-
-
-def test_device_script_puts_both_allocators_into_one_table(device_script):
-    run, out = device_script
-    run(SIZES="tiny", CASES="base", GPUS="0")
-    done = run(SIZES="tiny", CASES="base", GPUS="0", ALLOCATOR="expandable")
-    runs = _runs(out)
-    assert set(runs) == {f"tiny-base-{p}{a}" for p in ("off", "on") for a in ("", "-expandable")}, (
-        done.stdout + done.stderr
-    )
-    assert {_arg(r, "--allocator") for n, r in runs.items() if "expandable" in n} == {"expandable"}
-    assert {_arg(r, "--allocator") for n, r in runs.items() if "expandable" not in n} == {"default"}
-    table = (out / "bench" / "results" / "vllm_graph_memory.md").read_text()
-    assert "| tiny | default | base |" in table and "| tiny-expandable | default | base |" in table
-    assert "allocator: expandable segments" in table
-    refused = run(ALLOCATOR="cumem")
-    assert refused.returncode == 2 and "unknown ALLOCATOR 'cumem'" in refused.stdout
-
-
-def test_device_script_flags_for_a_full_step_at_a_chosen_limit_and_memory_history(device_script):
-    run, out = device_script
-    done = run(
-        SIZES="tiny", CASES="base", PLUGIN="on", WORKLOAD="peak", UTIL="0.9", MEMORY_HISTORY="1"
-    )
-    runs = _runs(out)
-    assert set(runs) == {"tiny-base-on-peak-util0.9"}, done.stdout + done.stderr
-    assert "no plugin commit known (no git here): set COMMIT" in done.stdout
-    r = runs["tiny-base-on-peak-util0.9"]
-    assert (_arg(r, "--workload"), _arg(r, "--gpu-mem-util")) == ("peak", "0.9")
-    assert _arg(r, "--memory-history") == str(out / "tiny-base-on-peak-util0.9.pickle")
-    for bad, message in (
-        ({"WORKLOAD": "tight"}, "unknown WORKLOAD 'tight'"),
-        ({"UTIL": "1.5"}, "UTIL must be a gpu_memory_utilization in (0, 1], got '1.5'"),
-        ({"UTIL": "0"}, "got '0'"),
-        ({"MEMORY_HISTORY": "1", "TP": "2"}, "MEMORY_HISTORY=1 records at TP=1 only"),
-        ({"MODE": "serve", "UTIL": "0.9"}, "MODE=serve takes neither UTIL nor MEMORY_HISTORY"),
-        ({"MODE": "tight"}, "unknown MODE 'tight'"),
-    ):
-        refused = run(**bad)
-        assert refused.returncode == 2 and message in refused.stdout
-
-
-# ---- tensor parallelism (--tp > 1) ----------------------------------------------
-
-e2e_worker = _load("e2e_worker")
-
-
-def _tp_args(tp: int, custom_all_reduce: bool = False) -> SimpleNamespace:
-    return SimpleNamespace(
-        case="draft",
-        model="m",
-        draft="d",
-        eagle="e",
-        num_spec=3,
-        dtype="float32",
-        gpu_mem_util=0.1,
-        tp=tp,
-        custom_all_reduce=custom_all_reduce,
-    )
-
-
-def test_engine_kwargs_for_tensor_parallelism():
-    preset = run_llm.SIZES["tiny"]
-    tp_keys = {
-        "tensor_parallel_size",
-        "distributed_executor_backend",
-        "disable_custom_all_reduce",
-        "worker_extension_cls",
-    }
-    one = run_llm.llm_kwargs(_tp_args(1), preset)
-    legacy = _tp_args(1)
-    del legacy.tp, legacy.custom_all_reduce
-    assert one == run_llm.llm_kwargs(legacy, preset)  # TP=1: the arguments of earlier runs
-    assert not tp_keys & set(one)
-    two = run_llm.llm_kwargs(_tp_args(2), preset)
-    assert {k: two[k] for k in tp_keys} == {
-        "tensor_parallel_size": 2,
-        "distributed_executor_backend": "mp",
-        "disable_custom_all_reduce": True,
-        "worker_extension_cls": "e2e_worker.E2EWorkerExtension",
-    }
-    assert {k: v for k, v in two.items() if k not in tp_keys} == one
-    assert run_llm.llm_kwargs(_tp_args(2, True), preset)["disable_custom_all_reduce"] is False
-    module, cls = run_llm.WORKER_EXTENSION.rsplit(".", 1)
-    assert module == "e2e_worker" and hasattr(e2e_worker, cls)
+# ---- the worker extension (TP > 1) -----------------------------------------------------
 
 
 @pytest.fixture
 def worker_state(monkeypatch, tmp_path):
-    """A fresh per-process state of the worker extension, a rank directory, and
-    no CUDA needed for the weight refill."""
-    monkeypatch.setattr(
-        e2e_worker, "STATE", {"mem": None, "installed": None, "plugin_log": [], "cuda": None}
-    )
-    rank_dir = tmp_path / "run.json.ranks"
-    rank_dir.mkdir()
+    """A fresh per-process state of the extension, a rank directory, no CUDA needed."""
+    state = {"mem": None, "installed": None, "plugin_log": [], "cuda": None}
+    monkeypatch.setattr(run_llm, "STATE", state)
+    (rank_dir := tmp_path / "run.json.ranks").mkdir()
     monkeypatch.setenv(run_llm.RANK_DIR_ENV, str(rank_dir))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     return rank_dir
 
 
-def test_worker_extension_measures_and_reports_a_rank(worker_state):
+def test_worker_extension_measures_and_reports_a_rank(worker_state, capsys):
     cuda = FakeCuda()
     runner_cls, worker_cls = fake_classes(cuda, 41 * MiB, 2 * MiB, 36 * MiB, 7 << 30)
-    report = _plugin_report({"target": 36 * MiB}, {"target": 36 * MiB})
-    mem = e2e_worker.install(1, runner_cls, worker_cls, cuda)
-    assert e2e_worker.install(1, runner_cls, worker_cls, cuda) is mem  # once per process
+    mem = run_llm.install_in_worker(1, runner_cls, worker_cls, cuda)
+    assert run_llm.install_in_worker(1, runner_cls, worker_cls, cuda) is mem  # once a process
     assert json.loads((worker_state / "rank1.json").read_text())["mem"] == {}
     worker_cls().determine_available_memory()
     runner_cls().capture_model()
-
-    # What the rank left on disk as it measured, for a run that fails later on.
-    on_disk = run_llm.read_rank_files(str(worker_state))
-    assert [r["rank"] for r in on_disk] == [1]
-    assert on_disk[0]["mem"]["profile_estimate_bytes"] == 41 * MiB
-    assert on_disk[0]["mem"]["capture_actual_bytes"] == 36 * MiB
-
+    (on_disk,) = run_llm.read_rank_files(str(worker_state))  # for a run that fails later
+    assert on_disk["rank"] == 1 and on_disk["mem"]["capture_actual_bytes"] == 36 * MiB
     runner = runner_cls()
-    runner.specgraph_profile = SimpleNamespace(to_dict=lambda: report)
+    runner.specgraph_profile = SimpleNamespace(to_dict=lambda: {"estimate": None})
     worker = SimpleNamespace(rank=1, local_rank=1, model_runner=runner)
-    record = e2e_worker.E2EWorkerExtension.e2e_rank_record(worker, "on")
-    assert record["rank"] == 1 and record["local_rank"] == 1
-    assert record["mem"]["profile_estimate_bytes"] == 41 * MiB
-    assert record["mem"]["profile_driver_left_taken"] == 2 * MiB
-    assert record["mem"]["capture_actual_bytes"] == 36 * MiB
-    assert record["mem"]["kv_cache_bytes"] == 7 << 30
-    assert record["plugin_report"] == report
-    assert record["wrappers_intact"] == {
-        "profile_cudagraph_memory": True,
-        "capture_model": True,
-        "determine_available_memory": True,
-    }
-    assert set(e2e_worker.WORKER_ENV_KEYS) == set(record["env"])
-    assert record["plugin"]["switch"] == "on"
+    record = run_llm.E2EWorkerExtension.e2e_rank_record(worker, "on")
+    assert (record["rank"], record["local_rank"], record["plugin"]["switch"]) == (1, 1, "on")
+    assert record["mem"] == dict(mem) and record["mem"]["profile_driver_left_taken"] == 2 * MiB
+    assert record["plugin_report"] == {"estimate": None} and all(record["wrappers_intact"].values())
+    assert set(record["env"]) == set(run_llm.WORKER_ENV_KEYS)
     json.dumps(record)  # crosses the process boundary as plain data
-    assert run_llm.merge_wrappers_intact(
-        [record, record | {"wrappers_intact": {"capture_model": False}}]
-    ) == {
-        "profile_cudagraph_memory": True,
-        "capture_model": False,
-        "determine_available_memory": True,
-    }
+    broken = record | {"wrappers_intact": {"capture_model": False}}
+    assert run_llm.merge_wrappers_intact([record, broken])["capture_model"] is False
+    figures = run_llm.RankFigures(0, str(worker_state / "gone" / "rank0.json"))
+    figures["kv_cache_bytes"] = 1  # its directory is gone: said, not raised
+    assert figures == {"kv_cache_bytes": 1} and "cannot write" in capsys.readouterr().err
 
 
 def test_prepare_workers_makes_the_extension_importable(monkeypatch, tmp_path):
@@ -1406,16 +413,13 @@ def test_prepare_workers_makes_the_extension_importable(monkeypatch, tmp_path):
     (tmp_path / "tiny-base-on-tp2.json.ranks" / "rank0.json").write_text('{"rank": 0}')
     env = run_llm.prepare_workers(out)
     assert env["PYTHONPATH"].split(os.pathsep) == [run_llm.HERE, "/some/site"]
-    assert os.environ[run_llm.RANK_DIR_ENV] == out + ".ranks"
-    assert os.listdir(out + ".ranks") == []  # a previous run's figures are gone
-    assert run_llm.HERE in sys.path
+    assert os.environ[run_llm.RANK_DIR_ENV] == out + ".ranks" and run_llm.HERE in sys.path
+    assert os.listdir(out + ".ranks") == []  # an earlier run's figures are gone
     run_llm.prepare_workers(out)
     assert os.environ["PYTHONPATH"].count(run_llm.HERE) == 1
 
 
-class _Split(torch.nn.Module):
-    """A layer with a weight and a bias and vLLM's ``tp_size`` attribute."""
-
+class _Layer(torch.nn.Module):
     def __init__(self, rows: int, cols: int, tp_size: int, bias: bool = True) -> None:
         super().__init__()
         self.tp_size = tp_size
@@ -1423,260 +427,657 @@ class _Split(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.zeros(rows)) if bias else None
 
 
-class _Column(_Split):
-    pass
-
-
-class _Row(_Split):
-    pass
-
-
-class _Vocab(_Split):
-    pass
-
-
-class _Replicated(_Split):
-    pass
-
-
-class _TinyModel(torch.nn.Module):
-    def __init__(self, tp_size: int, embed: _Vocab | None = None) -> None:
-        super().__init__()
-        self.embed_tokens = embed if embed is not None else _Vocab(8, 4, tp_size, bias=False)
-        self.qkv = _Column(6, 4, tp_size)
-        self.o_proj = _Row(4, 3, tp_size)
-        self.fc = _Replicated(4, 4, tp_size)
-        self.norm = torch.nn.Module()
-        self.norm.weight = torch.nn.Parameter(torch.zeros(4))
-
-
+_Column, _Row, _Vocab = (type(n, (_Layer,), {}) for n in ("Column", "Row", "Vocab"))
 SPLIT = ((_Column, _Vocab), (_Row,))
 
 
-def test_sharded_parameter_names():
-    names = e2e_worker.sharded_parameter_names(_TinyModel(2), *SPLIT)
-    assert names == {"embed_tokens.weight", "qkv.weight", "qkv.bias", "o_proj.weight"}
-    assert e2e_worker.sharded_parameter_names(_TinyModel(1), *SPLIT) == set()
+def _model(tp_size: int, embed: torch.nn.Module | None = None) -> torch.nn.Module:
+    model = torch.nn.Module()
+    model.embed_tokens = embed if embed is not None else _Vocab(8, 4, tp_size, bias=False)
+    model.qkv, model.o_proj = _Column(6, 4, tp_size), _Row(4, 3, tp_size)
+    model.fc, model.norm = _Layer(4, 4, tp_size), torch.nn.Module()
+    model.norm.weight = torch.nn.Parameter(torch.zeros(4))
+    return model
 
 
-def test_reinit_weights_seeds_shards_per_rank(worker_state, monkeypatch):
-    real = e2e_worker.sharded_parameter_names
-    monkeypatch.setattr(e2e_worker, "sharded_parameter_names", lambda m: real(m, *SPLIT))
-    models = {}
+def test_weights_are_refilled_by_name_and_shards_seeded_per_rank(worker_state, monkeypatch):
+    shards = {"embed_tokens.weight", "qkv.weight", "qkv.bias", "o_proj.weight"}
+    assert run_llm.sharded_parameter_names(_model(2), *SPLIT) == shards
+    assert run_llm.sharded_parameter_names(_model(1), *SPLIT) == set()
+    real = run_llm.sharded_parameter_names
+    monkeypatch.setattr(run_llm, "sharded_parameter_names", lambda m: real(m, *SPLIT))
+    models = []
     for rank in (0, 1):
-        target = _TinyModel(2)
-        draft = _TinyModel(2, embed=target.embed_tokens)  # an EAGLE head shares the embedding
+        target = _model(2)
+        draft = _model(2, embed=target.embed_tokens)  # an EAGLE head shares the embedding
         runner = SimpleNamespace(model=target, speculator=SimpleNamespace(model=draft))
         worker = SimpleNamespace(rank=rank, local_rank=rank, model_runner=runner)
-        done = e2e_worker.E2EWorkerExtension.e2e_reinit_weights(worker, 0.05)
-        assert done == {
-            "rank": rank,
-            "tp_rank": rank,
-            "params": 8,
-            "spec_params": 7,  # all but the shared embedding
-            "spec_model": True,
-        }
-        models[rank] = (target, draft)
-    (t0, d0), (t1, _) = models[0], models[1]
-    p0, p1 = dict(t0.named_parameters()), dict(t1.named_parameters())
-    for name in ("embed_tokens.weight", "qkv.weight", "qkv.bias", "o_proj.weight"):
-        assert not torch.equal(p0[name], p1[name]), name  # shards of one tensor differ
-    for name in ("o_proj.bias", "fc.weight", "fc.bias"):
-        assert torch.equal(p0[name], p1[name]), name  # replicated: the same on every rank
-    assert (p0["norm.weight"] == 1).all() and (p1["norm.weight"] == 1).all()
-    assert torch.equal(d0.qkv.weight, t0.qkv.weight)  # same name, same seed as the target
-    # Rank 0 keeps the name's seed, as at TP=1.
-    ref = _TinyModel(1)
+        done = run_llm.E2EWorkerExtension.e2e_reinit_weights(worker, "0.05")
+        # The draft's parameters all but the shared embedding.
+        assert (
+            pick([done], "rank tp_rank params spec_params spec_model") == f"{rank} {rank} 8 7 True"
+        )
+        models.append((dict(target.named_parameters()), draft))
+    (p0, d0), (p1, _) = models
+    assert all(not torch.equal(p0[n], p1[n]) for n in shards)  # shards of one tensor differ
+    assert all(torch.equal(p0[n], p1[n]) for n in ("o_proj.bias", "fc.weight", "fc.bias"))
+    assert (p0["norm.weight"] == 1).all() and torch.equal(d0.qkv.weight, p0["qkv.weight"])
+    ref = _model(1)  # rank 0 keeps the name's seed, as at TP=1
     run_llm.reinit_weights(ref, 0.05)
-    assert torch.equal(dict(ref.named_parameters())["qkv.weight"], p0["qkv.weight"])
+    assert torch.equal(ref.qkv.weight, p0["qkv.weight"])
 
 
 @pytest.mark.vllm
-def test_worker_extension_fits_vllms_worker_class():
-    """The check vLLM makes before it adds the extension to the worker's bases,
-    and the base change itself, on a throwaway subclass."""
-    try:
-        from vllm.v1.worker.gpu_worker import Worker
-    except Exception as e:  # pragma: no cover - environment-dependent
-        pytest.skip(f"vllm.v1.worker.gpu_worker not importable here: {e!r}")
-    ext = e2e_worker.E2EWorkerExtension
-    own = [a for a in dir(ext) if not a.startswith("__")]
-    assert own == ["e2e_rank_record", "e2e_reinit_weights", "init_worker_extension"]
-    assert not [a for a in own if hasattr(Worker, a)]
-
-    class Probe(Worker):
-        pass
-
-    Probe.__bases__ = (*Probe.__bases__, ext)
-    assert Probe.e2e_rank_record is ext.e2e_rank_record
-
-
-@pytest.mark.vllm
-def test_worker_extension_hook_installs_on_vllms_classes(
+def test_worker_extension_fits_vllms_worker_class_and_hook(
     worker_state, monkeypatch, restore_plugin_loggers
 ):
-    """vLLM calls ``init_worker_extension`` with the worker once its device is
-    set: the wrappers go onto MRV2's runner and the GPU worker class (as at
-    TP=1), and a tap inherited through fork is replaced, not doubled."""
-    try:
-        from vllm.v1.worker import gpu_worker
-        from vllm.v1.worker.gpu import model_runner as mr2
-    except Exception as e:  # pragma: no cover - environment-dependent
-        pytest.skip(f"vLLM's worker modules not importable here: {e!r}")
+    """vLLM's check before it adds the extension to the worker's bases, the base change,
+    and the hook: the wrappers go onto MRV2's runner and the GPU worker, and a log tap
+    inherited through fork is replaced, not doubled."""
+    from vllm.v1.worker import gpu_worker
+    from vllm.v1.worker.gpu import model_runner as mr2
+
+    ext = run_llm.E2EWorkerExtension
+    own = [a for a in dir(ext) if not a.startswith("__")]
+    assert own == ["e2e_rank_record", "e2e_reinit_weights", "init_worker_extension"]
+    assert not [a for a in own if hasattr(gpu_worker.Worker, a)]
+    probe = type("Probe", (gpu_worker.Worker,), {})
+    probe.__bases__ = (*probe.__bases__, ext)
+    assert probe.e2e_rank_record is ext.e2e_rank_record
     calls = []
-    monkeypatch.setattr(e2e_worker, "install", lambda *a: calls.append(a))
-
-    class PluginLogTap(logging.Handler):  # what a forked worker inherits
-        def emit(self, record: logging.LogRecord) -> None:
-            pass
-
-    inherited = logging.getLogger(run_llm.PLUGIN_LOGGERS[0])
-    inherited.addHandler(PluginLogTap())
-    e2e_worker.E2EWorkerExtension.init_worker_extension(SimpleNamespace(rank=1))
+    monkeypatch.setattr(run_llm, "install_in_worker", lambda *a: calls.append(a))
+    inherited = type("PluginLogTap", (logging.Handler,), {})()  # what a forked worker has
+    logging.getLogger(run_llm.PLUGIN_LOGGERS[0]).addHandler(inherited)
+    ext.init_worker_extension(SimpleNamespace(rank=1))
     assert calls == [(1, mr2.GPUModelRunner, gpu_worker.Worker, torch.cuda)]
     for name in run_llm.PLUGIN_LOGGERS:
         taps = [h for h in logging.getLogger(name).handlers if type(h).__name__ == "PluginLogTap"]
-        assert len(taps) == 1 and taps[0].sink is e2e_worker.STATE["plugin_log"], name
+        assert len(taps) == 1 and taps[0].sink is run_llm.STATE["plugin_log"], name
 
 
-def fake_tp_run(
-    size: str, case: str, plugin: str, ranks: list[dict], tokens: list[list[int]]
-) -> dict:
-    """A run_llm.py --tp result: run-level fields from the driver, one record per
-    rank built by the harness's own wrappers."""
-    records = []
-    for i, fig in enumerate(ranks):
-        one = fake_run(size, case, plugin, tokens=tokens, **fig)
-        records.append(
-            {
-                "rank": i,
-                "mem": one["mem"],
-                "plugin_report": one["plugin_report"],
-                "wrappers_intact": one["plugin"]["wrappers_intact"],
-            }
-        )
-    run = fake_run(size, case, plugin, tokens=tokens, **ranks[0])
-    del run["mem"], run["plugin_report"]
-    return run | {"tp": len(ranks), "ranks": records}
+# ---- summarize.py ----------------------------------------------------------------------
 
 
-def _write_tp(outdir, run: dict) -> None:
-    name = f"{run['size']}-{run['case']}-{run['plugin']['switch']}-tp{run['tp']}.json"
-    with open(os.path.join(outdir, name), "w") as f:
-        json.dump(run, f)
+def _report(estimate: dict[str, int], actual: dict[str, int] | None, one_time: int = 0) -> dict:
+    """The plugin's report, as its own classes write it (test byte counts)."""
+    from vllm_specgraph.meter import OwnerMemory
+    from vllm_specgraph.patches._measurements import SpecgraphCapture
+    from vllm_specgraph.profile import GraphMemoryReport
+
+    def owners(figures: dict[str, int] | None) -> tuple | None:
+        return figures and tuple(OwnerMemory(name, 1, n, 0) for name, n in figures.items())
+
+    report = GraphMemoryReport(owners(estimate), one_time, 0, 0, 0, 1.0)
+    return SpecgraphCapture(report, capture_wall_seconds=1.0, actual=owners(actual)).to_dict()
 
 
-def test_summarize_tensor_parallel_rows_check_every_rank(tmp_path, capsys):
-    toks = [[5, 6, 7]]
-    exact = _plugin_report({"target": 30 * MiB}, {"target": 30 * MiB})
-    off_rank = {"est": 41 * MiB, "retained": 32 * MiB, "actual": 36 * MiB, "kv": 7 << 30}
-    on_ok = {"est": 30 * MiB, "retained": 0, "actual": 30 * MiB, "kv": 8 << 30, "report": exact}
-    on_kept = on_ok | {"retained": 6 * MiB}  # rank 1 leaves 6 MiB after its profile
-    out = tmp_path / "out"
-    out.mkdir()
-    _write(out, fake_run("tiny", "base", "off", tokens=toks, **off_rank))
-    _write(out, fake_run("tiny", "base", "on", tokens=toks, **on_ok))
-    _write_tp(out, fake_tp_run("tiny", "base", "off", [off_rank, off_rank], toks))
-    _write_tp(out, fake_tp_run("tiny", "base", "on", [on_ok, on_kept], toks))
-    _write_tp(out, fake_tp_run("tiny", "eagle", "off", [off_rank, off_rank], toks))
-    _write_tp(out, fake_tp_run("tiny", "eagle", "on", [on_ok, on_ok], toks))
-    res = tmp_path / "res"
-    assert summarize.main([str(out), "--results", str(res)]) == 1
-    doc = json.loads((res / "vllm_graph_memory.json").read_text())
-    rows = {(r["size"], r["case"]): r for r in doc["rows"]}
-    assert list(rows) == [("tiny", "base"), ("tiny-tp2", "base"), ("tiny-tp2", "eagle")]
-    assert list(doc["sizes"]) == ["tiny", "tiny-tp2"]
-    assert rows[("tiny", "base")]["pass"] and "ranks" not in rows[("tiny", "base")]
+def write(out, name: str, run: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(run))
 
-    base = rows[("tiny-tp2", "base")]
-    assert (base["tp"], base["worst_rank"]) == (2, 1)
-    assert base["retained_on_bytes"] == 6 * MiB  # the worst rank's figures
-    assert [r["retained_on_bytes"] for r in base["ranks"]] == [0, 6 * MiB]
-    assert [r["pass"] for r in base["ranks"]] == [True, False]
-    assert base["checks"] == {"estimate": True, "retained": False, "tokens": True}
-    assert not base["pass"] and base["status"] == "FAIL (rank 1: retained 6.0 MiB)"
-    eagle = rows[("tiny-tp2", "eagle")]
-    assert eagle["pass"] and eagle["status"] == "PASS"
-    assert eagle["plugin_error_bytes"] == 0 and eagle["upstream_error_bytes"] == 5 * MiB
 
-    md = (res / "vllm_graph_memory.md").read_text()
-    assert "| tiny-tp2 | default | base [rank 1 of 2] | 41.0 / 30.0 |" in md
-    assert "| tiny | default | base | 41.0 / 30.0 |" in md
-    runs = {(r["size"], r["case"], r["plugin"]["switch"]): r for r in doc["runs"]}
-    assert len(runs[("tiny-tp2", "base", "on")]["ranks"]) == 2
-    assert "ranks" not in runs[("tiny", "base", "on")]
+def summary(out, *extra: str) -> tuple[int, dict, str]:
+    """summarize.py on ``out``: exit status, the graph-memory JSON and its Markdown."""
+    rc = summarize.main([str(out), "--results", str(out / "res"), *extra])
+    doc = json.loads((out / "res" / "vllm_graph_memory.json").read_text())
+    return rc, doc, (out / "res" / "vllm_graph_memory.md").read_text()
+
+
+MISSES = {"est": 90 * MiB, "retained": MiB, "actual": 100 * MiB}
+
+
+def test_memory_rows_are_checked_and_tabled(tmp_path, capsys, monkeypatch):
+    toks = [[5, 6, 7], [8, 9]]
+    exact = _report({"target": 30 * MiB}, {"target": 30 * MiB}, 4 * MiB)  # 4 MiB one-time
+    for name, run in (
+        ("base-off", fake_run("tiny", "base", "off", toks, UPSTREAM)),
+        ("base-on", fake_run("tiny", "base", "on", toks, EXACT, report=exact)),
+        # eagle: the plugin misses by 10 %, the tokens differ, the off run is "none"
+        ("eagle-off", fake_run("tiny", "eagle", "none", toks, UPSTREAM)),
+        ("eagle-on", fake_run("tiny", "eagle", "on", [[5]], EXACT | MISSES)),
+    ):
+        write(tmp_path, name, run | {"commit": None if name == "eagle-on" else "c1"})
+    monkeypatch.setenv(ESTIMATE_ENV, "0")
+    write(tmp_path, "noest", fake_run("tiny", "base", "noest", toks, UPSTREAM) | {"commit": "c1"})
+    (tmp_path / "skipped.txt").write_text("tiny-ngram-off\n")
+    rc, doc, md = summary(tmp_path)
+    assert rc == 1 and doc["skipped"] == ["tiny-ngram-off"]
+    base, eagle = (
+        {k: v // MiB if isinstance(v, int) and abs(v) > 1000 else v for k, v in row.items()}
+        for row in doc["rows"]
+    )
+    assert pick([base], "status upstream_error_bytes plugin_error_bytes commit") == "PASS 5 0 c1"
+    assert base["upstream_error_pct"] == pytest.approx(100 * 5 / 36)
+    assert pick([base], "retained_on_bytes retained_on_beyond_one_time_bytes") == "4 0"
+    assert pick([base], "plugin_estimate_bytes plugin_budget_bytes plugin_kept_bytes") == "30 34 4"
+    keys = "budget_minus_taken_off_bytes budget_minus_taken_on_bytes budget_minus_taken_noest_bytes"
+    assert pick([base], keys) == "-27 0 -68"
+    assert pick([base], "over_budget_off_bytes over_budget_on_bytes over_budget_noest_bytes") == (
+        "27 0 68"
+    )
+    assert pick(doc["rows"][:1], "kv_tokens_off kv_tokens_on") == f"{7 << 20} {8 << 20}"
+    assert base["owners_on"] == {"target": {"estimate": 30 * MiB, "actual": 30 * MiB}}
+    assert pick([base], "tokens_equal_on_off tokens_equal_noest_off") == "True True"
+    assert (eagle["off_switch"], eagle["commit"]) == ("none", None)
+    assert eagle["checks"] == {"estimate": False, "retained": True, "tokens": False}
+    assert eagle["status"] == "FAIL (estimate -10.0 %; tokens differ)"
+    row = next(line for line in md.splitlines() if line.startswith("| tiny | default (6) | base |"))
+    cells = row.strip("|").split(" | ")
+    assert len(cells) == len(summarize.MEMORY_COLUMNS) and cells[-1].strip() == "PASS"
+    assert " | ".join(cells[3:10]) == (
+        "41.0 / 30.0 / 0.0 | 34.0 | 36.0 / 30.0 | +13.9 % (+5.0) / +0.0 % (+0.0) | 32.0 / 4.0 | "
+        "-27.0 / 0.0 / -68.0 | 27.0 / 0.0 / 68.0"
+    )
+    assert "| eagle (off=none) |" in md and "Not run (the script's time budget ran out)" in md
     printed = capsys.readouterr().out
-    assert "rank 1 (pid None, None): graph memory MiB: estimate=30.0 actual=30.0" in printed
-    assert "SUMMARY: all runs ok=True (6/6), rows PASS=2/3" in printed
+    assert "TOKENS tiny on eagle == base: False" in printed
+    assert "SUMMARY: all runs ok=False (5/5), rows PASS=1/2" in printed
 
 
-def test_rank_figures_never_stop_the_engine(tmp_path, capsys):
-    figures = e2e_worker.RankFigures(0, str(tmp_path / "missing-dir" / "rank0.json"))
-    figures["kv_cache_bytes"] = 1  # the directory is gone: reported, not raised
-    assert figures == {"kv_cache_bytes": 1}
-    assert "cannot write" in capsys.readouterr().err
-
-
-def test_plugin_share_counts_the_package_own_time_per_step(tmp_path):
-    package = tmp_path / "pkg"
-    package.mkdir()
-    (package / "hot.py").write_text("def wrapper(fn):\n    return fn()\n")
-    sys.path.insert(0, str(tmp_path))
-    try:
-        from pkg import hot
-    finally:
-        sys.path.remove(str(tmp_path))
-    steps = [0]
-
-    def work():
-        return sum(i * i for i in range(2000))
-
-    def generate(requests):
-        for _ in requests:
-            steps[0] += 1
-            hot.wrapper(work)
-        return [[1]] * len(requests)
-
-    share = workloads.plugin_share(
-        generate, [([1], 1)] * 50, str(package) + os.sep, lambda: steps[0]
-    )
-    assert share["engine_steps"] == 50 and share["plugin_calls_per_step"] == 1.0
-    assert 0 < share["plugin_share"] < 0.5 and share["plugin_s"] < share["profiled_s"]
-    assert share["plugin_top"][0].startswith("wrapper ")
-
-
-def test_load_row_checks_the_plugin_share_where_it_was_measured():
-    def on_run(rate: float, share: float) -> dict:
-        run = load_run([rate])
-        run["load"]["plugin_share"] = {"plugin_share": share, "plugin_us_per_step": 12.0}
-        return run
-
-    # Wall-clock spread of a host-bound step is shown, the measured share decides.
-    row = summarize_load.build_row("1b", "accept", [load_run([1000.0])], [on_run(900.0, 0.0004)])
-    assert (row["status"], row["ratio_on_off_median"]) == ("PASS", 0.9)
-    assert _load_cells(row)["plugin share of a step (us)"] == "0.040% (12)"
-    row = summarize_load.build_row(
-        "1b", "accept", [load_run([1000.0])], [on_run(1000.0, 0.001), on_run(1000.0, 0.03)]
-    )
-    assert row["status"] == "FAIL (plugin share 3.00%)"
-
-
-def test_load_rows_never_pool_runs_of_another_workload():
-    def run(rate: float, requests: int, tokens: list) -> dict:
-        r = load_run([rate], tokens=tokens)
-        r["load"]["num_requests"] = requests
-        return r
-
-    runs = {
-        ("1b", "accept", "off"): [run(100.0, 128, [[1]])],
-        ("1b", "accept", "on"): [run(99.0, 128, [[1]]), run(50.0, 96, [[2]])],
-        ("1b", "base", "off"): [run(40.0, 128, [[3]]), {"ok": False, "stage": "init"}],
-    }
-    rows = summarize.load_rows(runs)
-    assert [(r["case"], r["num_requests"], r["runs_off"], r["runs_on"]) for r in rows] == [
-        ("base", 128, 1, 0),
-        ("accept", 96, 0, 1),
-        ("accept", 128, 1, 1),
+def test_group_names_order_and_carry_over(tmp_path):
+    groups = [
+        ({"size": "1b", "graph_mode": "compile", "tp": 2}, "1b-compile-tp2"),
+        (
+            {"size": "8b", "capture": "small", "workload": "peak", "utilization": 0.9},
+            "8b-small-peak-util0.9",
+        ),
+        ({"size": "1b", "allocator": "expandable", "graph_mode": "full"}, "1b-expandable"),
     ]
-    assert rows[2]["tokens_equal_on_off"] is True and rows[2]["ratio_on_off_median"] == 0.99
-    assert rows[2]["tokens_per_s_no_speculator"] == 40.0
+    assert [summarize.group_of(r, "memory") for r, _ in groups] == [g for _, g in groups]
+    assert summarize.group_of({"size": "1b", "workload": "peak"}, "load") == "1b"
+    order = ["tiny", "1b", "1b-tp2", "1b-small", "1b-peak", "1b-compile", "8b"]
+    assert sorted(order[::-1], key=summarize.group_order) == order
+    exact = _report({"target": 30 * MiB}, {"target": 30 * MiB}, 4 * MiB)
+    for case, commit in (("base", "c1"), ("eagle", None)):  # eagle: code older than the record
+        for p in ("off", "on"):
+            run = fake_run("tiny", case, p, [[1]], EXACT, report=exact)
+            write(tmp_path / "a", f"{case}-{p}", run | {"commit": commit})
+    for p in ("off", "on"):
+        write(tmp_path / "b", p, fake_run("1b", "base", p, [[1]], EXACT))
+    assert summary(tmp_path / "a")[0] == 0
+    previous = str(tmp_path / "a" / "res" / "vllm_graph_memory.json")
+    rc, doc, md = summary(tmp_path / "b", "--previous", previous)
+    assert pick(doc["rows"], "size case") == "tiny base; 1b base"
+    assert {(r["size"], r["case"]) for r in doc["runs"]} == {("tiny", "base"), ("1b", "base")}
+    assert list(doc["sizes"]) == ["tiny", "1b"] and "| tiny | default (6) | base |" in md
+    assert rc == 1  # only this invocation's rows decide: 1b's has no plugin report
+
+
+def fake_tp_run(case: str, plugin: str, ranks: list[dict], report: dict | None = None) -> dict:
+    """A --tp result: the run's own fields, and one record per rank made by the wrappers."""
+    runs = [fake_run("tiny", case, plugin, [[5]], fig, report=report) for fig in ranks]
+    records = [
+        {"rank": i, "mem": r["mem"], "plugin_report": r["plugin_report"]}
+        for i, r in enumerate(runs)
+    ]
+    top = {k: v for k, v in runs[0].items() if k not in ("mem", "plugin_report")}
+    return top | {"tp": len(ranks), "ranks": records}
+
+
+def test_tensor_parallel_rows_check_every_rank_and_show_the_worst(tmp_path, capsys):
+    exact, report = (
+        EXACT | {"est": 30 * MiB, "retained": 0},
+        _report({"t": 30 * MiB}, {"t": 30 * MiB}),
+    )
+    kept = exact | {"retained": 6 * MiB}  # rank 1 leaves 6 MiB after its profile
+    for case, on_ranks in (("base", [exact, kept]), ("eagle", [exact, exact])):
+        write(tmp_path, f"{case}-off-tp2", fake_tp_run(case, "off", [UPSTREAM, UPSTREAM]))
+        write(tmp_path, f"{case}-on-tp2", fake_tp_run(case, "on", on_ranks, report))
+    rc, doc, md = summary(tmp_path)
+    base, eagle = doc["rows"]
+    assert rc == 1 and pick([base], "size tp worst_rank") == "tiny-tp2 2 1"
+    assert pick(base["ranks"], "rank retained_on_bytes pass") == f"0 0 True; 1 {6 * MiB} False"
+    assert base["retained_on_bytes"] == 6 * MiB  # the worst rank's figures
+    assert base["checks"] == {"estimate": True, "retained": False, "tokens": True}
+    assert base["status"] == "FAIL (rank 1: retained 6.0 MiB)" and eagle["status"] == "PASS"
+    assert "| tiny-tp2 | default (6) | base [rank 1 of 2] | 41.0 / 30.0 |" in md
+    assert len(doc["runs"][0]["ranks"]) == 2
+    assert "rank 1 (pid None, None): graph memory MiB: estimate=30.0" in capsys.readouterr().out
+
+
+def load_run(rates: list[float], round_: int = 1, tokens: list | None = None, **load: Any) -> dict:
+    """A load run's result: one timed repeat per rate (``steps``: their step times;
+    ``spec``: the drafts, draft tokens and accepted tokens)."""
+    steps = load.pop("steps", [None] * len(rates))
+    repeats = [
+        {"generated_tokens": 3, "tokens_per_s": r, "step_ms": s}
+        for r, s in zip(rates, steps, strict=True)
+    ]
+    counts = ("drafts", "draft_tokens", "accepted_tokens")
+    spec = dict(zip(counts, load.pop("spec", (0, 0, 0)), strict=True))
+    load = {"num_requests": 2, "repeats": repeats, "repeats_equal": True, "spec": spec} | load
+    return {"ok": True, "tokens": tokens or [[1]], "load_round": round_, "load": load}
+
+
+def cells(row: dict) -> dict[str, str]:
+    return dict(zip(summarize.LOAD_COLUMNS, summarize.load_cells(row), strict=True))
+
+
+SHARE = {"plugin_share": 0.0004, "plugin_us_per_step": 12.0}
+
+
+@pytest.mark.parametrize(
+    ("offs", "ons", "status"),
+    [
+        ([load_run([1000.0])], [load_run([970.0])], "FAIL (on/off 0.970)"),
+        ([load_run([1000.0])], [load_run([980.0])], "PASS"),
+        ([load_run([1000.0])], [load_run([1100.0])], "PASS"),  # faster on: the spread, no cost
+        (
+            [load_run([1000.0])],
+            [load_run([900.0], plugin_share=SHARE)],
+            "PASS",
+        ),  # the share decides
+        (
+            [load_run([9.0])],
+            [load_run([9.0], plugin_share={"plugin_share": 0.03})],
+            "FAIL (plugin share 3.00%)",
+        ),
+        (
+            [load_run([1.0])],
+            [load_run([1.0], tokens=[[2]])],
+            "FAIL (tokens differ: on r1 from off r1)",
+        ),
+        ([], [load_run([1.0], tokens=[[2]])], "FAIL (tokens missing; no tokens/s)"),
+        (
+            [load_run([1.0]), load_run([1.0], 2)],
+            [load_run([1.0]), load_run([1.0], 2, [[9]])],
+            "FAIL (tokens differ: on r2 from off r1)",
+        ),
+        ([load_run([1.0]), {"ok": False, "load_round": 2}], [load_run([1.0])], "PASS"),
+    ],
+)
+def test_load_row_checks(offs, ons, status):
+    assert summarize.build_load_row("1b", "draft", offs, ons)["status"] == status
+
+
+def test_load_row_pools_the_rounds(tmp_path):
+    # Round 1's off run had one fast repeat: of the medians over both rounds 98 / 97.
+    offs = [
+        load_run([98.0, 95.0], 2, steps=[3.0, 3.2], spec=(10, 30, 18)) | {"commit": "b"},
+        load_run([110.0, 96.0], 1, steps=[2.0, 3.1], spec=(10, 30, 12)) | {"commit": "a"},
+    ]
+    ons = [
+        load_run([97.0, 99.0], 1, steps=[3.0, 2.9], spec=(10, 30, 15)),
+        load_run([96.0, 99.0], 2, steps=[3.1, 2.9], spec=(10, 30, 15)),
+    ]
+    ons[1]["gpu"] = {"visible_devices": 1}
+    base = [load_run([50.0]), load_run([40.0], 2), {"ok": False}]
+    row = summarize.build_load_row("1b", "accept", offs, ons, base)
+    assert row["tokens_per_s_off"] == {"median": 97.0, "best": 110.0, "lowest": 95.0}
+    assert row["ratio_on_off_median"] == round(98 / 97, 4) and row["status"] == "PASS"
+    assert pick(row["rounds"], "round ratio_on_off") == f"1 {98 / 103:.4f}; 2 {97.5 / 96.5:.4f}"
+    keys = "step_ms_off step_ms_on runs_off acceptance_off mean_acceptance_length_off gpu_on"
+    assert pick([row], keys) == "3.05 2.95 2 0.5 2.5 1"
+    assert [r["round"] for r in row["repeats_off"]] == [1, 1, 2, 2]
+    assert pick([row], "tokens_per_s_no_speculator commit") == "45.0 a b"
+    assert row["ratio_on_no_speculator"] == round(98 / 45, 4)
+    got = list(cells(row).values())
+    assert " | ".join(got[3:13]) == (
+        "2 / 2 | 97 (95 - 110) | 98 (96 - 99) | 1.010 | r1 0.952, r2 1.010 | 3.05 / 2.95 | 0.967 | "
+        "0.500 / 0.500 | 2.178 | -"
+    )
+    assert cells(row | SHARE)["plugin share of a step (us)"] == "0.040% (12)"
+    # A run that compiled its graphs beside one that loaded them from vLLM's cache is named.
+    (tmp_path / "off.log").write_text("Compiling a graph for compile range (1, 2048)")
+    (tmp_path / "on.log").write_text("Directly load the compiled graph(s)")
+    offs = [load_run([1.0]) | {"_log": str(tmp_path / "off.log")}]
+    ons = [load_run([1.0], tokens=[[9]]) | {"_log": str(tmp_path / "on.log")}]
+    assert summarize.build_load_row("8b-compile", "accept", offs, ons)["status"] == (
+        "FAIL (tokens differ: on r1 from off r1 (torch.compile: off r1 compiled, on r1 cache))"
+    )
+
+
+def test_load_rows_by_request_count_the_runs_that_ran_and_carry_over(tmp_path, capsys):
+    def save(out, name: str, run: dict, commit: str | None = None) -> None:
+        size, case, switch = name.split("-")[:3]
+        run |= {"size": size, "case": case, "workload": "load", "commit": commit}
+        write(out, name, run | {"plugin": {"switch": switch}})
+
+    for name, run in (
+        ("1b-accept-off", load_run([100.0])),
+        ("1b-accept-on", load_run([99.0])),
+        ("1b-accept-on-r2", load_run([50.0], 2, num_requests=96)),
+        ("1b-base-off", load_run([40.0])),
+        ("8b-draft-off", load_run([10.0])),
+        ("8b-draft-on", load_run([10.0])),
+    ):
+        save(tmp_path / "a", name, run, "abc" if name.startswith("8b") else None)
+    (tmp_path / "a" / "skipped.txt").write_text("1b-base-on\n")
+    assert summary(tmp_path / "a")[0] == 1  # a run that did not run fails the invocation
+    rows = json.loads((tmp_path / "a" / "res" / "vllm_load.json").read_text())["rows"]
+    # Runs of another request count are never pooled; the base case's off run speaks
+    # for "no speculator".
+    assert pick(rows, "size case num_requests runs_off runs_on") == (
+        "1b base 2 1 0; 1b accept 2 1 1; 1b accept 96 0 1; 8b draft 2 1 1"
+    )
+    assert pick(rows[1:2], "tokens_per_s_no_speculator ratio_on_off_median") == "40.0 0.99"
+    assert "[load 1b/accept] PASS" in capsys.readouterr().out
+    for switch in ("off", "on"):
+        save(tmp_path / "b", f"1b-draft-{switch}", load_run([100.0]))
+    summary(tmp_path / "b", "--previous", str(tmp_path / "a" / "res" / "vllm_graph_memory.json"))
+    doc = json.loads((tmp_path / "b" / "res" / "vllm_load.json").read_text())
+    assert doc["schema"] == 3 and pick(doc["rows"], "size commit") == "1b None; 8b abc"
+    md = (tmp_path / "b" / "res" / "vllm_load.md").read_text()
+    assert "| 8b | draft | 2 | 1 / 1 | 10 (10 - 10) |" in md  # carried over: it names its commit
+
+
+def test_serve_rows_pass_only_with_equal_tokens_plugin_lines_and_clean_exits(tmp_path):
+    def run(tokens: list | None, **extra: Any) -> dict:
+        base = {"size": "1b", "case": "draft", "graph_mode": "compile", "ok": True, "requests": 1}
+        base |= {"startup_s": 40.0, "seconds": 3.0, "shutdown_s": 4.0, "gpu_left_mib": 0}
+        return base | {"log_ok": True, "clean_shutdown": True, "tokens": tokens} | extra
+
+    assert summarize.serve_row(run([[1]]), run([[1]]))["check"] == "PASS"
+    assert summarize.serve_row(run([[1]]), run([[2]]))["check"] == "FAIL (tokens equal)"
+    row = summarize.serve_row(run([[1]]), run([[1]], clean_shutdown=False, log_ok=False))
+    assert row["check"] == "FAIL (plugin lines in the server log, clean shutdown)"
+    row = summarize.serve_row(run([[1]], clean_shutdown=False, log_ok=False), run([[1]]))
+    assert row["check"] == "FAIL (plugin lines in the server log, clean shutdown)"  # off's too
+    (tmp_path / "on.json").write_text(json.dumps(run([[1]], commit="abc", measured_utc="U")))
+    pair = [str(tmp_path / "off.json"), str(tmp_path / "on.json")]
+    assert summarize.main(["--serve", *pair, "--results", str(tmp_path)]) == 1  # off: no result
+    row = json.loads((tmp_path / "vllm_serve.json").read_text())["rows"][0]
+    assert row["check"].startswith("FAIL (both ran, tokens equal, plugin lines in the server log")
+    md = (tmp_path / "vllm_serve.md").read_text()
+    assert "| 1b | compile | draft | 1 | - / 40.0 | - / 3.0 | - / 4.0 | - / 0 |" in md
+    assert md.endswith("| U, abc |\n")
+
+
+# ---- device.py -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ("MODE=tight", "unknown MODE 'tight'"),
+        ("SIZES=tiny 2b", "unknown SIZES '2b'"),
+        ("CASES=medusa", "unknown CASES 'medusa'"),
+        ("GRAPHS=eager", "unknown GRAPHS"),
+        ("PLUGIN=maybe", "unknown PLUGIN"),
+        ("CAPTURE=large", "unknown CAPTURE"),
+        ("ALLOCATOR=cumem", "unknown ALLOCATOR 'cumem'"),
+        ("ALLOCATOR=default expandable", "unknown ALLOCATOR"),
+        ("WORKLOAD=tight", "unknown WORKLOAD 'tight'"),
+        ("MEMORY_HISTORY=2", "unknown MEMORY_HISTORY '2'"),
+        ("TP=0", "TP must be a positive integer, got '0'"),
+        ("LOAD_ROUNDS=x", "LOAD_ROUNDS must be a positive integer"),
+        ("LOAD_CORES=0", "LOAD_CORES must be a positive integer"),
+        ("MEMORY_HISTORY=1; TP=2", "MEMORY_HISTORY=1 records at TP=1 only"),
+        ("UTIL=1.5", "UTIL must be a gpu_memory_utilization in (0, 1], got '1.5'"),
+        ("UTIL=0.0", "got '0.0'"),
+        ("MODE=serve; PLUGIN=on", 'MODE=serve runs PLUGIN="off on" only'),
+        ("MODE=serve; TP=2", "MODE=serve runs TP=1"),
+        ("MODE=serve; CAPTURE=small", "CAPTURE=default"),
+        ("MODE=serve; UTIL=0.9", "MODE=serve takes neither UTIL nor MEMORY_HISTORY"),
+    ],
+)
+def test_knobs_refused_with_the_reason(env, says, capsys):
+    with pytest.raises(SystemExit) as stop:
+        device.knobs(kv(env))
+    assert stop.value.code == 2 and says in capsys.readouterr().out
+
+
+def plan(knobs: str) -> str:
+    """The names of the runs planned, a job's runs joined by spaces, the jobs by " / "."""
+    return " / ".join(
+        " ".join(run.name for run in job) for job in device.plan(device.knobs(kv(knobs)))
+    )
+
+
+def test_plan_of_the_knobs():
+    assert plan("") == " / ".join(
+        f"tiny-{c}-{p}-compile" for c in ("base", "draft", "ngram", "eagle") for p in ("off", "on")
+    )  # bench, vLLM's graph mode
+    assert plan("SIZES=tiny 1b; CASES=base; GRAPHS=compile full") == (
+        "tiny-base-off-compile / tiny-base-on-compile / 1b-base-off-compile / 1b-base-on-compile / "
+        "tiny-base-off / tiny-base-on / 1b-base-off / 1b-base-on"
+    )
+    ((run,),) = device.plan(
+        device.knobs(kv("SIZES=1b; CASES=eagle; PLUGIN=on; GRAPHS=full; OUT=/o"))
+    )
+    assert " ".join(run.args) == (
+        "--size 1b --case eagle --plugin on --capture default --workload smoke --graph-mode full "
+        "--allocator default --out /o/1b-eagle-on.json"
+    )
+    knobs = "SIZES=8b; CASES=base; PLUGIN=noest; CAPTURE=small; ALLOCATOR=expandable; UTIL=0.9"
+    ((run,),) = device.plan(device.knobs(kv(f"{knobs}; TP=2; CUSTOM_AR=1; WORKLOAD=peak; OUT=/o")))
+    assert run.name == "8b-base-noest-small-compile-peak-expandable-util0.9-tp2"
+    assert " ".join(run.args[-9:-1]) == (
+        "--tp 2 --custom-all-reduce --allocator expandable --gpu-mem-util 0.9 --out"
+    )
+    knobs = "WORKLOAD=peak; MEMORY_HISTORY=1; CASES=base; PLUGIN=on; GRAPHS=full; OUT=/o"
+    ((run,),) = device.plan(device.knobs(kv(knobs)))
+    assert run.args[-6:-4] == ["--memory-history", "/o/tiny-base-on-peak.pickle"]
+    # Load: each round's switches one job, the order reversed every other round.
+    assert plan("MODE=load; CASES=draft; GRAPHS=full; LOAD_ROUNDS=3") == (
+        "1b-draft-off-load 1b-draft-on-load / 1b-draft-on-load-r2 1b-draft-off-load-r2 / "
+        "1b-draft-off-load-r3 1b-draft-on-load-r3"
+    )
+    jobs = device.plan(device.knobs(kv("MODE=load; LOAD_REQUESTS=64")))
+    assert " ".join(jobs[1][0].args[8:18]) == (
+        "--workload load --graph-mode compile --load-requests 64 --load-repeats 2 --load-round 2"
+    )
+    assert [job[0].case for job in jobs] == ["base", "base", "draft", "draft", "accept", "accept"]
+    assert device.knobs({"MODE": "serve"}).cases == ["draft"]
+
+
+def test_lanes_and_core_pins(monkeypatch, capsys):
+    monkeypatch.setattr(device, "smi", lambda *q: ["0", "1", "2", "3"])
+    monkeypatch.setattr(device.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(device, "call", lambda cmd, **kw: 0)
+
+    def lanes(knobs: str, env: dict) -> str:
+        found = device.lanes_and_pins(device.knobs(kv(knobs)), env)
+        return " ".join(
+            f"{lane}@{pin[-1] if pin else '-'}" for lane, pin in zip(*found, strict=True)
+        )
+
+    assert lanes("TP=2", {}) == "0,1@0,1,2,3,4,5,6,7 2,3@8,9,10,11,12,13,14,15"
+    assert lanes("MODE=load", {"GPUS": "2"}) == "2@0,1,2,3,4,5,6,7"  # LOAD_CORES on one lane
+    assert lanes("", {"CUDA_VISIBLE_DEVICES": "3,1"}) == "3@0,1,2,3,4,5,6,7 1@8,9,10,11,12,13,14,15"
+    assert lanes("", {"GPUS": "5"}) == "5@-"  # one lane, not load: not pinned
+    with pytest.raises(SystemExit):
+        device.lanes_and_pins(device.knobs({"TP": "2"}), {"GPUS": "0"})
+    assert "TP=2 needs 2 GPUs, GPUS lists '0'" in capsys.readouterr().out
+
+
+class Launches:
+    """Device.launch faked: records (lane, argv, limit), moves the clock by ``took``
+    seconds, exits with ``rc(argv)`` and writes a log."""
+
+    def __init__(self, monkeypatch, rc: Any = lambda argv: 0, took: int = 10) -> None:
+        self.calls: list[tuple[int, list[str], int]] = []
+        self.clock, self.rc, self.took = [1000], rc, took
+        monkeypatch.setattr(device, "now", lambda: self.clock[0])
+        monkeypatch.setattr(device.Device, "launch", lambda dev, *a: self.launch(*a))
+
+    def launch(self, lane: int, argv: list[str], limit: int, log: str | None) -> Any:
+        self.calls.append((lane, argv, limit))
+        self.clock[0] += self.took
+        with open(log or os.devnull, "w") as f:
+            f.write("INFO Graph capturing finished in 3 secs\nvllm-specgraph armed\n")
+        rc = self.rc(argv)
+        return SimpleNamespace(
+            wait=lambda: rc, pid=0, returncode=rc, communicate=lambda: ("ok", "")
+        )
+
+    def runs(self) -> str:
+        """What ran (a run's name, or warm-up:KEY) and its limit, one after the other."""
+        out = []
+        for _, argv, limit in self.calls:
+            name = os.path.basename(argv[argv.index("--out") + 1]).removesuffix(".json")
+            out.append(f"{name.replace('compile-warmup-', 'warm-up:')} {limit}")
+        return ", ".join(out)
+
+
+def _device(tmp_path, knobs: str) -> Any:
+    k = device.knobs(kv(f"OUT={tmp_path}/out; E2E_WORK={tmp_path}/w; {knobs}"))
+    os.makedirs(k.out, exist_ok=True)
+    return device.Device(k, ["0"], [[]], device.now())
+
+
+def test_limits_budget_and_compile_warm_ups(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
+    fake = Launches(monkeypatch, rc=lambda argv: 1 if "tiny-base-off" in argv[-1] else 0)
+    dev = _device(tmp_path, "SIZES=tiny 1b; CASES=base; CAPTURE=default small; T_tiny=50")
+    dev.execute(device.plan(dev.k))
+    # A run of a size no run of which has ended well yet gets T_FIRST_EXTRA; one unmeasured
+    # warm-up without the plugin before the first compile run of each (size, case, capture
+    # set) on the machine, with the run's limit.
+    assert fake.runs() == (
+        "warm-up:tiny-base-default 110, tiny-base-off-compile 110, tiny-base-on-compile 110, "
+        "warm-up:tiny-base-small 50, tiny-base-off-small-compile 50, "
+        "tiny-base-on-small-compile 50, "
+        "warm-up:1b-base-default 210, 1b-base-off-compile 210, 1b-base-on-compile 150, "
+        "warm-up:1b-base-small 150, 1b-base-off-small-compile 150, 1b-base-on-small-compile 150"
+    )
+    warm = fake.calls[0][1]
+    assert warm[warm.index("--plugin") + 1] == "none" and "--workload" not in warm
+    markers = sorted(os.listdir(tmp_path / "cache" / "specgraph-e2e-compiled"))
+    assert markers == [
+        ".lock",
+        "1b-base-default",
+        "1b-base-small",
+        "tiny-base-default",
+        "tiny-base-small",
+    ]
+    assert "run tiny-base-on-compile rc=0 elapsed=10 s" in capsys.readouterr().out
+    fake.calls.clear()
+    dev.execute(device.plan(dev.k)[:1])  # the markers stay: no warm-up
+    assert fake.runs() == "tiny-base-off-compile 50"
+    # The budget: a limit cut to what is left (25 s kept), a run under 30 s skipped;
+    # a failed warm-up is not tried again.
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache2"))
+    fake = Launches(monkeypatch, rc=lambda argv: 1 if "warmup" in argv[-1] else 0, took=40)
+    dev = _device(tmp_path, "MODE=load; CASES=base draft; BUDGET=150; LOAD_ROUNDS=1")
+    dev.execute(device.plan(dev.k))
+    assert fake.runs() == (
+        "warm-up:1b-base-default 125, 1b-base-off-compile-load 85, 1b-base-on-compile-load 45"
+    )
+    skipped = (tmp_path / "out" / "skipped.txt").read_text().split()
+    assert skipped == ["1b-draft-off-compile-load", "1b-draft-on-compile-load"]
+    fake = Launches(monkeypatch)
+    monkeypatch.setattr(device.os, "killpg", lambda pid, sig: None)
+    monkeypatch.setattr(device, "smi", lambda *q: [])
+    knobs = "MODE=load; GRAPHS=full; TP=2; CASES=base; T_1b=100; T_LOAD_EXTRA=7; T_TP_EXTRA=11"
+    dev = _device(tmp_path, knobs + "; T_FIRST_EXTRA=0; LOAD_ROUNDS=1")
+    dev.execute(device.plan(dev.k))
+    assert fake.runs() == "1b-base-off-load-tp2 118, 1b-base-on-load-tp2 118"
+
+
+def test_serve_runs_each_switch_after_one_warm_up_then_compares_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
+    fake = Launches(monkeypatch, rc=lambda argv: 0)
+    compared = []
+    monkeypatch.setattr(
+        device, "call", lambda cmd, **kw: compared.append(cmd[2:]) or len(compared) - 1
+    )
+    dev = _device(tmp_path, "MODE=serve; GRAPHS=compile full; BUDGET=600")
+    assert dev.serve() == 1  # the second comparison failed
+    assert fake.runs() == (
+        "warm-up:1b-draft-default 575, 1b-draft-off-compile-serve 565, "
+        "1b-draft-on-compile-serve 555, 1b-draft-off-serve 545, 1b-draft-on-serve 535"
+    )
+    assert fake.calls[1][1][1:9] == [
+        "--size",
+        "1b",
+        "--case",
+        "draft",
+        "--plugin",
+        "off",
+        "--graph-mode",
+        "compile",
+    ]
+    off, on = (f"{tmp_path}/out/serve/1b-draft-{p}-compile-serve.json" for p in ("off", "on"))
+    assert compared[0] == [
+        "--serve",
+        off,
+        on,
+        "--results",
+        f"{tmp_path}/out/serve/1b-draft-compile",
+    ]
+
+
+def test_jobs_run_one_at_a_time_per_lane_and_side_by_side_across_lanes(tmp_path, monkeypatch):
+    spans: list[tuple[int, float, float]] = []
+
+    def launch(dev: Any, lane: int, argv: list[str], limit: int, log: str | None) -> Any:
+        open(log, "w").close()
+        start = time.monotonic()
+
+        def wait() -> int:
+            time.sleep(0.3)
+            spans.append((lane, start, time.monotonic()))
+            return 0
+
+        return SimpleNamespace(wait=wait)
+
+    monkeypatch.setattr(device.Device, "launch", launch)
+    dev = _device(tmp_path, "MODE=load; GRAPHS=full; CASES=base draft; LOAD_ROUNDS=2")
+    dev.lanes, dev.pins = ["0", "1"], [[], []]
+    dev.execute(device.plan(dev.k))
+    assert len(spans) == 8 and {lane for lane, _, _ in spans} == {0, 1}
+    pairs = [(a, b) for a in spans for b in spans if a is not b and a[1] < b[2] and b[1] < a[2]]
+    assert pairs and all(a[0] != b[0] for a, b in pairs)  # overlaps only across lanes
+
+
+def test_main_runs_the_plan_with_the_run_environment_then_summarizes(tmp_path, monkeypatch, capfd):
+    """The device script end to end, with setup and the GPU left out: every run's process
+    gets its lane, the site dir's tree, the commit and an empty working directory."""
+    fake_run_llm = """import json, os, sys
+out = sys.argv[sys.argv.index("--out") + 1]
+keys = ("CUDA_VISIBLE_DEVICES", "PYTHONPATH", "SPECGRAPH_COMMIT", "VLLM_USE_V2_MODEL_RUNNER")
+run = {"size": "tiny", "case": "base", "ok": True, "tokens": [[1]], "cwd": os.getcwd()}
+run["plugin"] = {"switch": sys.argv[sys.argv.index("--plugin") + 1]}
+json.dump(run | {"env": {k: os.environ.get(k) for k in keys}}, open(out, "w"))
+"""
+    (tmp_path / "fake_run_llm.py").write_text(fake_run_llm)
+    (bin_dir := tmp_path / "bin").mkdir()
+    (bin_dir / "python3").write_text(
+        f'#!/bin/sh\ncase "$*" in *run_llm.py*) exec {sys.executable} {tmp_path}/fake_run_llm.py '
+        f'"$@" ;; esac\nexec {sys.executable} "$@"\n'
+    )
+    (bin_dir / "python3").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    out, work = tmp_path / "out", tmp_path / "work"
+    knobs = f"OUT={out}; E2E_WORK={work}; GPUS=3; CASES=base; GRAPHS=full; COMMIT=abc"
+    for key, value in kv(knobs + "; VLLM_PLUGINS=inherited").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(device, "setup", lambda k: os.makedirs(f"{k.work}/cwd"))
+    monkeypatch.setattr(device, "smi", lambda *q: [])
+    assert device.main() == 1  # no measured figures: the rows fail their checks
+    runs = {p.stem: json.loads(p.read_text()) for p in out.glob("tiny-*.json")}
+    assert sorted(runs) == ["tiny-base-off", "tiny-base-on"]
+    on = runs["tiny-base-on"]["env"]
+    assert on == {
+        "CUDA_VISIBLE_DEVICES": "3",
+        "PYTHONPATH": f"{work}/tree:{work}/site",
+        "SPECGRAPH_COMMIT": "abc",
+        "VLLM_USE_V2_MODEL_RUNNER": "1",
+    }
+    assert runs["tiny-base-on"]["cwd"] == str(work / "cwd") and "VLLM_PLUGINS" not in os.environ
+    assert (out / "bench" / "results" / "vllm_graph_memory.md").exists()
+    printed = capfd.readouterr().out
+    assert "mode bench; lanes (CUDA_VISIBLE_DEVICES): 3; pinned to: (not pinned)" in printed
+    assert "SUMMARY: all runs ok=True (2/2)" in printed
+    wrapper = [os.path.join(SCRIPTS, "device-vllm-e2e.sh")]
+    done = subprocess.run(["bash", *wrapper], env=os.environ | {"MODE": "x"}, capture_output=True)
+    assert done.returncode == 2 and b"unknown MODE 'x'" in done.stdout
+
+
+def test_apply_shims_lists_the_ops_to_stand_in_and_edits_the_guard_once(tmp_path, capsys):
+    (tmp_path / "vllm" / "vllm_flash_attn").mkdir(parents=True)
+    (tmp_path / "vllm" / "layer.py").write_text(
+        "self.op = torch.ops._C.silu_and_mul\nx = torch.ops._C_cache_ops.reshape\n"
+        "if hasattr(torch.ops._C, 'probed'):\n    torch.ops._C.probed(1)\n"
+    )
+    guard = tmp_path / "vllm" / "vllm_flash_attn" / "__init__.py"
+    guard.write_text(device.FA_GUARD + "    raise ImportError(\n        'no FA'\n    )\n")
+    device.apply_shims(str(tmp_path))
+    placeholders = (tmp_path / "vllm" / "_C_stable_libtorch_placeholders.txt").read_text()
+    assert placeholders.split() == ["_C::silu_and_mul", "_C_cache_ops::reshape"]  # not the probed
+    assert (tmp_path / "vllm" / "_C_stable_libtorch.py").exists()
+    assert "_w.warn(" in guard.read_text() and "raise ImportError" not in guard.read_text()
+    with pytest.raises(SystemExit):  # another vLLM fails loudly
+        device.apply_shims(str(tmp_path))
+    assert "expected 1 match, found 0" in capsys.readouterr().out
