@@ -542,3 +542,58 @@ def test_profile_graph_memory_reports_one_time_and_retained_bytes_with_their_sig
     report = profile_graph_memory([OwnerGraphs("target", capture)])
     assert report.one_time_bytes == 8 << 20
     assert report.retained_bytes == 2 << 20
+
+
+def _engine_pass(state, leaves: int, owners_mib: int = 10):
+    """A stand-in pass: it takes ``leaves`` bytes for good and reports one owner."""
+    from vllm_specgraph.meter import OwnerMemory
+    from vllm_specgraph.profile import PassReading
+
+    def run():
+        state["free"] -= leaves
+        return PassReading(
+            (OwnerMemory("target", 1, owners_mib << 20, owners_mib << 20),), frozenset()
+        )
+
+    return run
+
+
+def test_engine_measures_again_and_reports_the_last_pass(cuda, monkeypatch):
+    from vllm_specgraph.profile import measure_graph_memory
+
+    _, state = cuda
+    first, second = _engine_pass(state, 4 << 20, 10), _engine_pass(state, 0, 12)
+    block = {"address": 1 << 30, "size": 2 << 20, "state": "active_allocated"}
+    passes = []
+
+    def run_pass(index):
+        passes.append(index)
+        if index == 1:  # a block the second pass keeps: the profile's blocks are the last pass's
+            state["segments"] = lambda: [{"device": 0, "total_size": 2 << 20, "blocks": [block]}]
+        return (first if index == 0 else second)()
+
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 7 << 20)
+    profile = measure_graph_memory(run_pass, log=lambda line: None)
+    assert passes == [0, 1] and profile.passes == 2
+    report = profile.report
+    assert (report.one_time_bytes, report.retained_bytes) == (4 << 20, 0)
+    assert report.owners[0].driver_bytes == 12 << 20, "the second pass's owners"
+    assert report.transient_peak_bytes == 7 << 20
+    assert profile.blocks_after == frozenset({(1 << 30, 2 << 20)})
+
+
+def test_engine_refuses_a_second_pass_that_finds_no_graph(cuda):
+    from vllm_specgraph.profile import measure_graph_memory
+
+    _, state = cuda
+    first = _engine_pass(state, 4 << 20)
+    with pytest.raises(RuntimeError, match="second profiling pass found no graph"):
+        measure_graph_memory(lambda index: first() if index == 0 else None, log=print)
+
+
+def test_engine_votes_once_also_with_nothing_to_capture(cuda):
+    from vllm_specgraph.profile import measure_graph_memory
+
+    votes = []
+    assert measure_graph_memory(lambda index: None, agree=votes.append) is None
+    assert votes == [False]

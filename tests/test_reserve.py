@@ -44,6 +44,8 @@ class FakeDriver:
         self.mapped: dict[int, tuple[int, int]] = {}  # address -> (bytes, handle)
         self.reserved: dict[int, int] = {}
         self.fail_map = self.fail_access = False
+        self.fail_unmap_after: int | None = None  # unmaps that succeed before one fails
+        self.access_devices: list[int] = []
         self._next = 0
 
     def cuMemGetAllocationGranularity(self, prop, flag):
@@ -76,10 +78,17 @@ class FakeDriver:
         return (OK,)
 
     def cuMemSetAccess(self, address, size, descs, count):
-        assert descs[0].location.id == 0 and count == 1
+        self.access_devices.append(descs[0].location.id)
+        if self.fail_access == "raise":
+            raise TypeError("the bindings refused an argument")
         return (INVALID,) if self.fail_access else (OK,)
 
     def cuMemUnmap(self, address, size):
+        if self.fail_unmap_after is not None:
+            if self.fail_unmap_after == 0:
+                self.fail_unmap_after = None
+                return (INVALID,)
+            self.fail_unmap_after -= 1
         assert self.mapped.pop(address)[0] == size
         return (OK,)
 
@@ -272,3 +281,30 @@ def test_blocks_within_takes_the_most_blocks_whose_pages_fit():
     assert blocks_within([layer_outermost], 8 * MIB - 1, granularity, 1000) == 4
     assert blocks_within([layer_outermost], 0, granularity, 1000) == 0
     assert blocks_within([layer_outermost], 1 << 40, granularity, 1000) == 1000
+
+
+def test_an_exception_inside_the_driver_call_gives_the_pages_back(driver):
+    reserved = ReservedRange(4 * MIB, "cuda:0", driver=driver)
+    driver.fail_access = "raise"
+    with pytest.raises(TypeError, match="the bindings refused"):
+        reserved.map(0, 4 * MIB)
+    assert (reserved.mapped_bytes, driver.mapped, driver.handles) == (0, {}, {})
+
+
+def test_a_release_that_fails_midway_can_be_retried(driver, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    reserved = ReservedRange(8 * MIB, "cuda:0", driver=driver)
+    reserved.map(0, 2 * MIB)
+    reserved.map(4 * MIB, 2 * MIB)
+    driver.fail_unmap_after = 1
+    with pytest.raises(RuntimeError, match="cuMemUnmap failed"):
+        reserved.release()
+    assert reserved.mapped_bytes == 2 * MIB and driver.reserved, "the rest stays, recorded"
+    reserved.release()
+    assert (driver.mapped, driver.handles, driver.reserved) == ({}, {}, {})
+
+
+def test_pages_are_made_and_opened_on_the_range_s_own_gpu(driver):
+    reserved = ReservedRange(2 * MIB, "cuda:1", driver=driver)
+    reserved.map(0, 1)
+    assert reserved._prop.location.id == 1 and driver.access_devices == [1]

@@ -125,7 +125,8 @@ class GraphMemoryReport:
     Attributes:
         owners: each owner's graphs, as production will take them.
         one_time_bytes: what the first pass left with the process, state that
-            production will not take again (kernel code loaded on first launch).
+            production will not take again (kernel code loaded on first launch);
+            from :func:`profile_graph_memory`, also what the eager warm-up took.
         transient_peak_bytes: the allocator's reserved peak during the last
             pass, above its reserved bytes when the profile began.
         retained_bytes: what the last pass left taken (at most the threshold
@@ -288,8 +289,10 @@ def measure_graph_memory(
     profile decides.
 
     *Requires*: no capture is active; work in flight is what the caller wants
-    measured (the engine synchronises and empties the cache before its baseline).
-    *Guarantees*: what ``run_pass`` guarantees; the engine itself only reads.
+    measured.
+    *Guarantees*: what ``run_pass`` guarantees. The engine itself changes only
+    the allocator's cache (emptied before its baseline) and its peak statistics
+    (reset before each pass, for ``transient_peak_bytes``).
     """
     check_callable("run_pass", run_pass, "pass a function of the pass index")
     check_callable("agree", agree, "pass a function of this rank's flag")
@@ -542,7 +545,9 @@ def profile_graph_memory(
     nothing taken, two where the first met one-time process state (kernel
     modules loaded on first capture). ``one_time_bytes`` holds both what the
     eager warm-up took and what the first pass left. ``agree`` is as there:
-    with several ranks, every rank must take the same passes.
+    where the channel pools span several ranks (their creation and rollback are
+    collective), pass ``functools.partial(on_any_rank, group=cpu_group)``, or
+    ranks whose readings differ take different passes and wait for each other.
 
     *Requires*: no capture is active; the KV cache is not yet allocated (the
     profile measures free memory, and anything it cannot free is reported as

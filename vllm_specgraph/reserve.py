@@ -76,7 +76,9 @@ class ReservedRange:
         device: the GPU (a torch.device, ``"cuda:N"`` or an index).
         driver: the CUDA driver API (``cuda.bindings.driver``); given only by tests.
 
-    *Owns*: the address range and every page mapped into it, until :meth:`release`.
+    *Owns*: the address range and every page mapped into it, until :meth:`release`
+    (a range dropped without it keeps both for the life of the process: nothing
+    but the caller knows when no graph reads it any more).
     *Lends*: :meth:`tensor` views; touching an unmapped byte through one is an
     illegal address, on the GPU and in any graph that replays it.
     """
@@ -159,7 +161,8 @@ class ReservedRange:
             for start, end in pages:
                 for run_start, run_end in self._unmapped_runs(start, end):
                     added.append(self._map_run(run_start, run_end - run_start))
-        except PageMapError:
+        except BaseException:
+            # Any failure, the driver's or an interrupt: what this call mapped goes back.
             for mapping in reversed(added):
                 self._unmap(mapping)
             raise
@@ -181,9 +184,9 @@ class ReservedRange:
                 "every graph that reads it) before releasing the range"
             )
         torch.cuda.synchronize(self.device)
-        for mapping in reversed(self._mappings):
-            self._unmap(mapping)
-        self._mappings = []
+        while self._mappings:  # one at a time, so a failure midway can be retried
+            self._unmap(self._mappings[-1])
+            self._mappings.pop()
         self._call("cuMemAddressFree", self.address, self.reserved_bytes)
         self.address = 0
 
@@ -209,19 +212,26 @@ class ReservedRange:
                 f"{self.device} ({self._error(result)}); the GPU has {free / _MIB:.1f} MiB "
                 "free; ask for less (a lower gpu_memory_utilization) or free memory first"
             )
-        mapping = _Mapping(offset, nbytes, handle)
-        address = self.address + offset
-        (result,) = cu.cuMemMap(address, nbytes, 0, handle, 0)
-        if result == cu.CUresult.CUDA_SUCCESS:
-            access = cu.CUmemAccessDesc()
-            access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            access.location.id = self.device.index
-            access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-            (result,) = cu.cuMemSetAccess(address, nbytes, [access], 1)
-            if result == cu.CUresult.CUDA_SUCCESS:
-                return mapping
-            cu.cuMemUnmap(address, nbytes)
-        cu.cuMemRelease(handle)
+        address, mapped = self.address + offset, False
+        try:
+            (result,) = cu.cuMemMap(address, nbytes, 0, handle, 0)
+            mapped = result == cu.CUresult.CUDA_SUCCESS
+            if mapped:
+                access = cu.CUmemAccessDesc()
+                access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                access.location.id = self.device.index
+                access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                (result,) = cu.cuMemSetAccess(address, nbytes, [access], 1)
+                if result == cu.CUresult.CUDA_SUCCESS:
+                    return _Mapping(offset, nbytes, handle)
+        except BaseException:
+            result = None
+            raise
+        finally:
+            if result != cu.CUresult.CUDA_SUCCESS:  # the pages go back on any failure
+                if mapped:
+                    cu.cuMemUnmap(address, nbytes)
+                cu.cuMemRelease(handle)
         raise PageMapError(
             f"could not map {nbytes / _MIB:.1f} MiB at offset {offset} of the reserved range "
             f"on {self.device} ({self._error(result)}); nothing of this call stays mapped"

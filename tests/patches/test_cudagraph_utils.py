@@ -765,11 +765,16 @@ def encoder_runner_class():
 
 
 def test_profile_without_graphs_to_capture_returns_zero_as_vllm_does(
-    encoder_runner_class, vllm_env
+    encoder_runner_class, vllm_env, monkeypatch
 ):
     """The modes resolved to none once the minimal KV cache exists (vLLM's encoder-only
     runner says so always, with its own ``needs_cudagraph_capture``): no capture runs,
-    the pass is torn down, and production's capture is not metered."""
+    the pass is torn down, and production's capture is not metered. The rank still
+    votes once: ranks that found graphs wait for it."""
+    from vllm_specgraph.patches.v1.worker.gpu import cudagraph_utils as patch
+
+    votes = []
+    monkeypatch.setattr(patch, "on_any_rank", lambda flag, group: votes.append(flag) or flag)
     env = vllm_env
     runner = _runner(env)
     runner.needs_cudagraph_capture = encoder_runner_class.needs_cudagraph_capture.__get__(runner)
@@ -779,6 +784,7 @@ def test_profile_without_graphs_to_capture_returns_zero_as_vllm_does(
     assert "capture_model" not in names
     assert getattr(runner, "specgraph_profile", None) is None
     assert env.platform_cls._global_graph_pool == env.production_pool
+    assert votes == [False]
 
 
 @pytest.mark.parametrize(("other_rank_asks", "passes"), [(False, 1), (True, 2)])

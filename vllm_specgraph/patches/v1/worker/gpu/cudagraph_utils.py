@@ -154,7 +154,6 @@ def exact_cudagraph_memory(runner: GPUModelRunner) -> ProfileOutcome | None:
     # what is left to settle is work in flight and earlier streams' cuBLAS workspaces.
     torch.cuda.synchronize()
     release_capture_stream_workspaces()
-    clock.lap("settle")
     profile = measure_graph_memory(
         lambda index: _measured_pass(runner, workspace, clock, " again" if index else ""),
         agree=_on_any_rank_of_the_engine,
@@ -206,6 +205,8 @@ def _measured_pass(
     from vllm.config import set_current_vllm_config
     from vllm.v1.worker.gpu.cudagraph_utils import _init_minimal_kv_cache_for_profiling
 
+    if not suffix:
+        clock.lap("settle")  # the engine's baseline included
     counters = (
         compilation_counter.num_cudagraph_captured,
         compilation_counter.num_gpu_runner_capture_triggers,
