@@ -33,9 +33,9 @@ _SPECULATORS = {
     "eagle": "EAGLE",
 }
 
-_DETAIL_GROUPS = ("small", "peak", "expandable")
-"""Size groups left to the full table: other capture sizes, workloads and allocators
-(and runs at a utilization of their own, ``-utilU``)."""
+_DETAIL_GROUPS = ("tiny", "small", "peak", "expandable")
+"""Size groups left to the full table: the toy model, other capture sizes, workloads and
+allocators (and runs at a utilization of their own, ``-utilU``)."""
 
 __all__ = ["BEGIN", "END", "block", "main", "with_block"]
 
@@ -139,7 +139,8 @@ def block(results: Path = RESULTS) -> str:
         _summary(memory, load),
         "",
         "**Graph memory** (MiB, driver level, vLLM's default capture sizes; `compile`: "
-        "vLLM's default graph mode; all columns: `bench/results/vllm_graph_memory.md`):",
+        "vLLM's default graph mode; the tiny model and all columns: "
+        "`bench/results/vllm_graph_memory.md`):",
         "",
         *_memory_rows(memory),
         "",
