@@ -10,11 +10,9 @@ import pytest
 import torch
 
 from vllm_specgraph.meter import settled_free_bytes
+from vllm_specgraph.reserve import PageMapError, ReservedRange
 
 pytestmark = pytest.mark.gpu
-pytest.importorskip("cuda.bindings.driver", reason="needs NVIDIA's cuda-bindings package")
-
-from vllm_specgraph.reserve import PageMapError, ReservedRange  # noqa: E402
 
 MIB = 1 << 20
 
@@ -24,6 +22,7 @@ def process_state_loaded():
     """The first kernel launch and the first capture load state the process keeps for
     good (kernel modules, the capture stream's cuBLAS workspace): load it before a
     test reads its baseline, or the baseline counts it as the range's."""
+    pytest.importorskip("cuda.bindings.driver", reason="needs NVIDIA's cuda-bindings package")
     x = torch.ones(4, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
