@@ -1,4 +1,5 @@
-"""Elastic EP's graph release frees the workspace's retired buffers (real vLLM class)."""
+"""Elastic EP's graph release frees the workspace's retired buffers where no graph
+survives it (real vLLM class; its release and the graphs are stand-ins: they need a GPU)."""
 
 import pytest
 import torch
@@ -6,7 +7,10 @@ import torch
 pytestmark = pytest.mark.vllm
 
 
-def test_release_cuda_graphs_then_frees_retired_buffers(monkeypatch, install_patch):
+@pytest.mark.parametrize("a_graph_survives", [False, True])
+def test_release_cuda_graphs_then_frees_retired_buffers_no_graph_can_read(
+    monkeypatch, install_patch, a_graph_survives
+):
     # monkeypatch first, so it is undone last: vLLM's method is back after the test.
     import vllm.distributed.elastic_ep.elastic_execute as elastic_execute
 
@@ -28,7 +32,15 @@ def test_release_cuda_graphs_then_frees_retired_buffers(monkeypatch, install_pat
     manager.get_simultaneous(((64,), torch.float32))
     monkeypatch.setattr(manager, "_is_capturing", bool)
     manager.get_simultaneous(((4096,), torch.float32))  # the outgrown buffer is retired
+
+    class Graph:  # stands for torch.cuda.CUDAGraph, which a CPU build cannot make
+        pass
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    survivor = Graph() if a_graph_survives else None  # e.g. a V1 drafter's graph
     executor._release_cuda_graphs(executor.__new__(executor))
     assert calls == [("graphs released", True)], "vLLM's release runs first"
-    assert manager.usage()["target"].retired_bytes == 0
+    retired = manager.usage()["target"].retired_bytes
+    assert (retired > 0) is a_graph_survives, "kept only while a graph may read it"
     assert manager.usage()["target"].live_bytes >= 4096 * 4
+    del survivor
