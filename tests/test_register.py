@@ -194,7 +194,7 @@ def test_register_after_a_failed_arm_does_not_report_armed(fresh_plugin, monkeyp
             "profile",
             "foo",
             ValueError,
-            r"Switches.profile must be one of \['exact', 'extrapolate'\]",
+            r"Switches.profile must be one of \['capture-once', 'exact', 'extrapolate'\]",
         ),
         ("profile", None, TypeError, "Switches.profile must be a str, one of"),
         ("allreduce", "yes", ValueError, r"Switches.allreduce must be one of \['0', '1', 'auto'\]"),

@@ -23,6 +23,7 @@ import torch
 from vllm_specgraph._checks import check_device, check_int
 
 __all__ = [
+    "BlockBacking",
     "PageMapError",
     "ReservedRange",
     "StridedPlacement",
@@ -190,6 +191,20 @@ class ReservedRange:
         self._call("cuMemAddressFree", self.address, self.reserved_bytes)
         self.address = 0
 
+    def release_when_unviewed(self) -> bool:
+        """:meth:`release` now if no view is left (True); else once the last one dies.
+
+        For an error path that cannot drop the views it lent (another object holds
+        them): the range goes back when that holder lets them go, and with the
+        process otherwise.
+        """
+        views = self._views() if self._views is not None else None
+        if views is None:
+            self.release()
+            return True
+        weakref.finalize(views, self.release).atexit = False
+        return False
+
     def _unmapped_runs(self, start: int, end: int) -> list[tuple[int, int]]:
         runs, cursor = [], start
         for m in self._mappings:
@@ -319,3 +334,89 @@ def blocks_within(
         else:
             high = middle - 1
     return low
+
+
+class BlockBacking:
+    """A KV cache's backing allocation over a reserved range, backed a block prefix at a time.
+
+    Arguments:
+        reserved: the range, as large as the allocation with ``max_blocks`` blocks.
+        placements: where every layer keeps its blocks in it.
+        max_blocks: the blocks the allocation holds.
+
+    *Owns*: ``reserved``, until :meth:`release`. *Guarantees*: blocks
+    ``0 .. num_blocks - 1`` of every layer are backed and were zeroed when they
+    were backed (as the allocation vLLM would have made is); the blocks above are
+    unbacked, and touching one is an illegal address. Blocks are only ever added,
+    so a graph captured against the range keeps every page it read.
+    """
+
+    def __init__(
+        self, reserved: ReservedRange, placements: list[StridedPlacement], max_blocks: int
+    ) -> None:
+        check_int("max_blocks", max_blocks, 1, "pass the blocks the KV cache was sized for")
+        if not placements:
+            raise ValueError("a block backing needs at least one placement; pass the KV tensors'")
+        self.reserved = reserved
+        self.placements = list(placements)
+        self.max_blocks = int(max_blocks)
+        self.num_blocks = 0
+        # torch needs the first page backed to place a tensor on the range.
+        reserved.map(0, 1)
+        self._raw = reserved.tensor(torch.int8)
+        self._raw[: reserved.granularity].zero_()
+
+    def tensor(self) -> torch.Tensor:
+        """The whole range as int8 bytes: what ``torch.zeros(nbytes, dtype=torch.int8)`` is."""
+        return self._raw
+
+    def pages_bytes(self, num_blocks: int) -> int:
+        """The bytes of whole pages that back blocks ``0 .. num_blocks - 1``."""
+        runs = [run for p in self.placements for run in p.runs(num_blocks)]
+        return sum(end - start for start, end in page_runs(runs, self.reserved.granularity))
+
+    def most_blocks_within(self, budget_bytes: int) -> int:
+        """The most blocks whose pages fit in ``budget_bytes``; never fewer than are backed."""
+        check_int("budget_bytes", budget_bytes, 0, "pass the bytes the KV cache may take")
+        fit = blocks_within(
+            self.placements, budget_bytes, self.reserved.granularity, self.max_blocks
+        )
+        return max(fit, self.num_blocks)
+
+    def back(self, num_blocks: int) -> int:
+        """Back and zero blocks up to ``num_blocks`` (all or none); returns the bytes mapped.
+
+        Blocks already backed keep their contents. Raises :class:`PageMapError`
+        (nothing of the call mapped) when the driver refuses.
+        """
+        check_int("num_blocks", num_blocks, 0, "pass how many blocks to back")
+        if num_blocks > self.max_blocks:
+            raise ValueError(
+                f"num_blocks={num_blocks} is beyond the {self.max_blocks} blocks the range "
+                "was reserved for; pass at most that"
+            )
+        if num_blocks <= self.num_blocks:
+            return 0
+        runs = [run for p in self.placements for run in p.runs(num_blocks)]
+        mapped = self.reserved.map_runs(runs)
+        for start, end in page_runs(self._new_block_runs(num_blocks), 1):
+            self._raw[start:end].zero_()
+        self.num_blocks = num_blocks
+        return mapped
+
+    def release(self) -> bool:
+        """Drop this object's view and release the range, now if no other view is left
+        (True), else once the last one dies (:meth:`ReservedRange.release_when_unviewed`)."""
+        self._raw = None
+        return self.reserved.release_when_unviewed()
+
+    def _new_block_runs(self, num_blocks: int) -> list[tuple[int, int]]:
+        first = self.num_blocks
+        runs = []
+        for p in self.placements:
+            for layer in range(p.num_layers):
+                start = p.offset + layer * p.layer_stride + first * p.block_stride
+                runs.append(
+                    (start, start + (num_blocks - 1 - first) * p.block_stride + p.page_bytes)
+                )
+        return runs

@@ -38,8 +38,9 @@ BOOLEAN_SPELLINGS: Mapping[str, bool] = {
 }
 """What an on/off switch accepts, in any case."""
 
-PROFILE_MODES = ("exact", "extrapolate")
-"""``VLLM_SPECGRAPH_PROFILE``: the plugin's exact profile (default) or vLLM's estimate."""
+PROFILE_MODES = ("exact", "extrapolate", "capture-once")
+"""``VLLM_SPECGRAPH_PROFILE``: the plugin's exact profile (default), vLLM's estimate, or
+no profile: the KV cache backed after the production capture."""
 
 ALLREDUCE_MODES = ("auto", "1", "0")
 """``VLLM_SPECGRAPH_ALLREDUCE``: where vLLM has no fast path, always, never."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vllm_specgraph.meter import settled_free_bytes
-from vllm_specgraph.reserve import PageMapError, ReservedRange
+from vllm_specgraph.reserve import BlockBacking, PageMapError, ReservedRange, StridedPlacement
 
 pytestmark = pytest.mark.gpu
 
@@ -86,3 +86,54 @@ def reserved_granularity() -> int:
         return probe.granularity
     finally:
         probe.release()
+
+
+def test_kv_blocks_backed_after_a_capture_are_zeroed_and_the_graph_writes_them():
+    """Two layers, each its own region (layer-outermost, as vLLM lays out most
+    caches): the graph is captured with only block 0 backed and copies block 0
+    into a block backed only after the capture."""
+    page, blocks = 1 * MIB, 40
+    free_before = settled_free_bytes()
+    placement = StridedPlacement(0, page * blocks, page, 2, page)
+    backing = BlockBacking(
+        ReservedRange(2 * page * blocks, torch.cuda.current_device()), [placement], blocks
+    )
+    backing.back(1)
+    kv = backing.tensor()
+    assert kv[:page].eq(0).all(), "a warm-up block starts zeroed, as torch.zeros would"
+    late = 30  # a block of layer 1 with no page under it at capture time
+    dst = placement.layer_stride + late * page
+    kv[:page].fill_(5)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kv[dst : dst + page].copy_(kv[:page])
+    before = settled_free_bytes()
+    # 36 blocks of each layer fill 36 MiB, whole 2 MiB pages: 72 MiB in all.
+    mapped = backing.back(backing.most_blocks_within(72 * MIB))
+    assert backing.num_blocks == 36 and mapped > 0
+    assert before - settled_free_bytes() >= mapped - 2 * MIB, "the pages are real memory"
+    assert kv[placement.layer_stride : placement.layer_stride + 36 * page].eq(0).all()
+    assert kv[:page].eq(5).all(), "a block backed before keeps its contents"
+    graph.replay()
+    torch.cuda.synchronize()
+    assert kv[dst : dst + page].eq(5).all()
+    del graph, kv
+    gc.collect()
+    assert backing.release(), "no view left: released at once"
+    assert abs(free_before - settled_free_bytes()) <= 2 * MIB, "every page given back"
+
+
+def test_a_backing_abandoned_with_a_view_alive_goes_back_when_the_view_dies():
+    free_before = settled_free_bytes()
+    backing = BlockBacking(
+        ReservedRange(16 * MIB, torch.cuda.current_device()),
+        [StridedPlacement(0, 8 * MIB, MIB, 2, MIB)],
+        8,
+    )
+    backing.back(8)
+    view = backing.tensor()[:MIB]  # a KV-cache view some object still holds
+    assert not backing.release()
+    assert free_before - settled_free_bytes() >= 14 * MIB, "kept while the view lives"
+    del view
+    gc.collect()
+    assert abs(free_before - settled_free_bytes()) <= 2 * MIB, "given back with the last view"

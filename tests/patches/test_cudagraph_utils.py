@@ -9,6 +9,7 @@ tests/gpu and scripts/device-vllm-e2e.sh check the real memory on a GPU.
 
 import contextlib
 import gc
+import logging
 import sys
 import weakref
 from types import SimpleNamespace
@@ -894,3 +895,35 @@ def test_profile_captures_vllms_own_piecewise_wrappers_in_its_pool_per_owner(vll
         ("draft", 2, 10 * MIB),
     ]
     assert budget == 40 * MIB
+
+
+def test_profile_under_capture_once_captures_nothing_and_arms_it(vllm_env, monkeypatch):
+    from vllm_specgraph.patches import _capture_once
+    from vllm_specgraph.patches.v1.worker.gpu import cudagraph_utils as patch
+
+    monkeypatch.setenv("VLLM_SPECGRAPH_PROFILE", "capture-once")
+    monkeypatch.setattr(patch, "capture_once_blocker", lambda runner: None)
+    monkeypatch.setattr(_capture_once, "_plan", None)
+    runner = _runner(vllm_env)
+    assert vllm_env.cudagraph_utils.profile_cudagraph_memory(runner) == 0
+    assert _captures(vllm_env) == 0, "no profile capture"
+    assert _capture_once.planned_runner() is runner
+    assert getattr(runner, "specgraph_profile", None) is None
+
+
+def test_profile_under_capture_once_that_cannot_apply_runs_the_exact_profile(
+    vllm_env, monkeypatch, caplog
+):
+    from vllm_specgraph.patches import _capture_once
+    from vllm_specgraph.patches.v1.worker.gpu import cudagraph_utils as patch
+
+    monkeypatch.setenv("VLLM_SPECGRAPH_PROFILE", "capture-once")
+    monkeypatch.setattr(patch, "capture_once_blocker", lambda runner: "sleep mode is on")
+    monkeypatch.setattr(_capture_once, "_plan", None)
+    runner = _runner(vllm_env)
+    with caplog.at_level(logging.INFO, logger="vllm.specgraph"):
+        assert vllm_env.cudagraph_utils.profile_cudagraph_memory(runner) == 40 * MIB
+    assert _captures(vllm_env) == 1
+    assert _capture_once.planned_runner() is None
+    assert runner.specgraph_capture_once_fallback == "sleep mode is on"
+    assert "capture-once falls back to the exact profile: sleep mode is on" in caplog.text

@@ -41,8 +41,10 @@ PATCHES: tuple[Patch, ...] = (
             "Worker._start_weight_update",
             "Worker.update_weights",
             "Worker.finish_weight_update",
+            "Worker.compile_or_warm_up_model",
         ),
-        "two lanes for every speculative method; draft weight updates in the draft lane",
+        "two lanes for every speculative method; draft weight updates in the draft lane; "
+        "under capture-once, the KV cache backed after the production capture",
     ),
     Patch(
         "vllm.v1.worker.gpu.ubatch_utils",
@@ -50,9 +52,21 @@ PATCHES: tuple[Patch, ...] = (
         "micro-batch threads keep the lane of the code that starts them",
     ),
     Patch(
+        "vllm.v1.worker.gpu.attn_utils",
+        ("allocate_kv_cache",),
+        "under capture-once, the KV cache over a reserved range, backed where warm-up and "
+        "capture write",
+    ),
+    Patch(
+        "vllm.v1.engine.core",
+        ("EngineCore._initialize_kv_caches",),
+        "under capture-once, the scheduler gets the blocks the workers backed",
+    ),
+    Patch(
         "vllm.v1.worker.gpu.cudagraph_utils",
         ("profile_cudagraph_memory",),
-        "exact disposable profile of every graph, per owner, nothing left taken",
+        "exact disposable profile of every graph, per owner, nothing left taken; "
+        "or, under capture-once, none",
     ),
     Patch(
         "vllm.distributed.elastic_ep.elastic_execute",

@@ -29,7 +29,9 @@ profiling state) while the private pool is still the global one, free the
 capture streams' cuBLAS workspaces, give production pools back to every
 wrapper (also those made during the profile), roll the workspace lanes back
 (buffers and lock), release the pool. ``VLLM_SPECGRAPH_PROFILE=extrapolate``
-selects vLLM's estimator instead.
+selects vLLM's estimator instead; ``capture-once`` captures nothing here and
+arms :mod:`vllm_specgraph.patches._capture_once`, or says why it cannot and
+runs the exact profile.
 
 Why: the estimate is what the KV-cache budget leaves for graphs; a sample
 and a formula under-count by a fifth on a 1B model (the KV cache is sized too
@@ -63,6 +65,7 @@ from vllm_specgraph.patches._capture_allocator import (
     expandable_segments_blocker,
     expandable_segments_for_capture,
 )
+from vllm_specgraph.patches._capture_once import capture_once_blocker, plan_capture_once
 from vllm_specgraph.patches._measurements import (
     KVSetUpState,
     SpecgraphCapture,
@@ -375,6 +378,17 @@ def _profile_cudagraph_memory(upstream: Callable[[Any], int]) -> Callable[[Any],
             and not runner.needs_cudagraph_capture()
         ):
             return 0
+        if profile_mode() == "capture-once":
+            blocker = capture_once_blocker(runner)
+            if blocker is None:
+                plan_capture_once(runner)
+                logger.info(
+                    "vllm-specgraph: capture-once: no profile capture; the KV cache is "
+                    "reserved for the most blocks and backed after the production capture"
+                )
+                return 0
+            runner.specgraph_capture_once_fallback = blocker
+            logger.info("vllm-specgraph: capture-once falls back to the exact profile: %s", blocker)
         from vllm_specgraph.patches.distributed.device_communicators import (
             flashinfer_pcie_ipc_all_reduce as pcie_ipc,
         )

@@ -13,9 +13,10 @@ and ``lock_workspace`` keep working, now on the core workspace); the draft-head
 refresh runs there too. ``_profile_cudagraph_memory`` is the exact disposable
 profile of :mod:`vllm_specgraph.patches.v1.worker.gpu.cudagraph_utils`, and
 ``capture_model`` measures the production capture per owner the same way and
-logs it against the profile's estimate. ``profile_run`` (the memory profile's
-dummy run) runs marked as such (:mod:`vllm_specgraph.patches._profile_run`), for
-the patches that reserve memory there.
+logs it against the profile's estimate (under capture-once, for its log line).
+``profile_run`` (the memory profile's dummy run) runs marked as such
+(:mod:`vllm_specgraph.patches._profile_run`), for the patches that reserve
+memory there.
 
 Why: a speculator phase in lane 0 takes views of, or grows, the target's
 buffer, under the target's captured graphs; an estimate is only worth the
@@ -34,6 +35,7 @@ from types import ModuleType
 
 from vllm_specgraph.lanes import DEFAULT_OWNER_LANES, current_owner, use_lane
 from vllm_specgraph.meter import CaptureMeter, current_meter, live_blocks, metering
+from vllm_specgraph.patches._capture_once import planned_runner, record_graphs
 from vllm_specgraph.patches._measurements import (
     KVSetUpState,
     SpecgraphCapture,
@@ -118,8 +120,15 @@ def _wrap_capture_model(original: Callable) -> Callable:
     @functools.wraps(original)
     def capture_model(self, *, profile_only: bool = False) -> int:
         outcome: SpecgraphCapture | None = getattr(self, "specgraph_profile", None)
-        if profile_only or outcome is None or current_meter() is not None:
+        if profile_only or current_meter() is not None:
             return original(self, profile_only=profile_only)
+        if outcome is None:
+            if planned_runner() is not self:
+                return original(self, profile_only=profile_only)
+            with metering(CaptureMeter(graphs_captured)) as meter, meter.whole_call():
+                total = original(self, profile_only=profile_only)
+            record_graphs(meter.owners(int(total)))
+            return total
         from vllm_specgraph.patches._capture_allocator import expandable_segments_for_capture
 
         started = time.perf_counter()
