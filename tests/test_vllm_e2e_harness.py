@@ -832,6 +832,28 @@ def test_serve_rows_pass_only_with_equal_tokens_plugin_lines_and_clean_exits(tmp
     assert md.endswith("| U, abc |\n")
 
 
+def test_once_rows_show_off_on_and_once_side_by_side(tmp_path):
+    toks, exact = [[5, 6]], _report({"target": 30 * MiB}, {"target": 30 * MiB}, 4 * MiB)
+    for case in ("base", "draft", "eagle"):
+        write(tmp_path, f"{case}-off", fake_run("tiny", case, "off", toks, UPSTREAM))
+        write(tmp_path, f"{case}-on", fake_run("tiny", case, "on", toks, EXACT, report=exact))
+    write(tmp_path, "base-once", once_run("base", toks))
+    write(tmp_path, "draft-once", once_run("draft", toks, KV_MAX))  # backed past its budget
+    fell_back = {"report": exact, "fallback": "no cuda-bindings"}  # the exact profile ran
+    write(tmp_path, "eagle-once", fake_run("tiny", "eagle", "once", toks, EXACT, **fell_back))
+    rc, doc, md = summary(tmp_path)
+    assert rc == 1 and pick(doc["rows"], "status pass") == "PASS True; PASS False; PASS True"
+    once = md[md.index("| size | case | KV tokens off / on / once |") :].splitlines()[2:5]
+    kv_tokens, startup = "| 7,340,032 / 8,388,608 / ", "| 12.5 / 12.5 / 12.5 | 0.0 / "
+    assert once == [
+        f"| tiny | base {kv_tokens}8,392,704 {startup}0.0 | 524,544 / 526,464 | True | PASS |",
+        f"| tiny | draft {kv_tokens}8,423,424 {startup}30.0 | 526,464 / 526,464 | True "
+        "| FAIL (over budget 30.0 MiB) |",
+        f"| tiny | eagle {kv_tokens}8,388,608 {startup}0.0 | - / - | True "
+        "| FALLBACK (no cuda-bindings) |",
+    ]
+
+
 # ---- device.py -------------------------------------------------------------------------
 
 
