@@ -6,6 +6,7 @@ The byte counts are test inputs, not measurements."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -37,6 +38,10 @@ ESTIMATE_ENV = run_llm.ESTIMATE_ENV
 HEADROOM = 100 * MiB  # the stand-in worker's activation headroom
 UPSTREAM = {"est": 41 * MiB, "retained": 32 * MiB, "actual": 36 * MiB, "kv": 7 << 30}
 EXACT = {"est": 34 * MiB, "retained": 4 * MiB, "actual": 30 * MiB, "kv": 8 << 30}
+# Capture-once: nothing estimated, the KV cache sized (and reserved) for EXACT's KV plus
+# its estimate, the pages held those less what the capture took.
+KV_MAX = EXACT["kv"] + EXACT["est"]
+ONCE = EXACT | {"est": 0, "retained": 0, "kv": KV_MAX, "held": KV_MAX - EXACT["actual"]}
 
 
 def kv(text: str) -> dict[str, str]:
@@ -79,10 +84,13 @@ class FakeCuda:
         return self.peak_reserved
 
 
-def fake_classes(cuda: FakeCuda, est: int, retained: int, actual: int, kv: int) -> tuple:
+def fake_classes(
+    cuda: FakeCuda, est: int, retained: int, actual: int, kv: int, held: int | None = None
+) -> tuple:
     """A runner and a worker that move ``cuda`` as vLLM would: the profile leaves
     ``retained`` taken, the worker sizes the KV cache at ``kv`` (its limit ``kv +
-    headroom + estimate``, as vLLM's formula gives) and takes it, the capture ``actual``."""
+    headroom + estimate``, as vLLM's formula gives) and takes it (capture-once: ``held``
+    of it), the capture ``actual``."""
 
     class Runner:
         def profile_cudagraph_memory(self) -> int:
@@ -104,7 +112,7 @@ def fake_classes(cuda: FakeCuda, est: int, retained: int, actual: int, kv: int) 
             self.peak_activation_memory = HEADROOM + applied
             self.available_kv_cache_memory_bytes = kv
             Runner().profile_cudagraph_memory()
-            cuda.used += kv
+            cuda.used += kv if held is None else held
             return kv
 
     return Runner, Worker
@@ -123,10 +131,12 @@ def metrics(drafts: int, draft_tokens: int, accepted: int, steps: int = 0) -> li
 def fake_run(size: str, case: str, plugin: str, tokens: list, fig: dict, **kw: Any) -> dict:
     """A run_llm.py result made by its own wrappers and ``run_workload``: start-up moves
     the stand-in GPU by ``fig`` (est, retained, actual, kv), then the workload
-    (``workload``) generates ``tokens`` with a step that keeps ``step`` bytes."""
+    (``workload``) generates ``tokens`` with a step that keeps ``step`` bytes; ``once``
+    and ``fallback``: what capture-once left on the runner."""
     cuda, report, step = FakeCuda(), kw.get("report"), kw.get("step", 0)
+    held = fig.get("held", fig["kv"])
     runner_cls, worker_cls = fake_classes(
-        cuda, fig["est"], fig["retained"], fig["actual"], fig["kv"]
+        cuda, fig["est"], fig["retained"], fig["actual"], fig["kv"], held
     )
     mem: dict[str, Any] = {}
     installed = run_llm.install_wrappers(runner_cls, worker_cls, cuda, mem)
@@ -134,15 +144,18 @@ def fake_run(size: str, case: str, plugin: str, tokens: list, fig: dict, **kw: A
     runner_cls().capture_model(profile_only=True)
     runner_cls().capture_model()
     runner = SimpleNamespace(specgraph_profile=report and SimpleNamespace(to_dict=lambda: report))
+    runner.specgraph_capture_once = kw.get("once")
+    runner.specgraph_capture_once_fallback = kw.get("fallback")
     result = {"size": size, "case": case, "capture": kw.get("capture", "default"), "ok": True}
     result |= {"workload": kw.get("workload", "smoke"), "mem": mem, "startup_s": 12.5}
     result["plugin"] = {"switch": plugin, "wrappers_intact": run_llm.wrappers_intact(installed)}
     result["resolved"] = {
-        "num_gpu_blocks": fig["kv"] >> 14,
+        "num_gpu_blocks": held >> 14,
         "block_size": 16,
         "num_capture_sizes": 6,
     }
-    result |= {"kv_tokens": fig["kv"] >> 10, "plugin_report": run_llm.plugin_report(runner)}
+    result |= {"kv_tokens": held >> 10, "plugin_report": run_llm.plugin_report(runner)}
+    result |= run_llm.capture_once_of(runner)
 
     def generate(requests: list, sampling: dict | None = None) -> list[list[int]]:
         cuda.used += step
@@ -170,15 +183,17 @@ def _no_garbage_collection_at_rest(monkeypatch):
 @pytest.mark.parametrize(
     ("switch", "allocator", "env"),
     [
-        ("on", "default", "specgraph None None None"),
-        ("off", "expandable", "specgraph 0 None expandable_segments:True"),
-        ("none", "default", " None None None"),
-        ("noest", "default", "specgraph 0 0 None"),
+        ("on", "default", "specgraph None None None None"),
+        ("off", "expandable", "specgraph 0 None expandable_segments:True None"),
+        ("none", "default", " None None None None"),
+        ("noest", "default", "specgraph 0 0 None None"),
+        ("once", "default", "specgraph None None None capture-once"),
     ],
 )
 def test_plugin_and_allocator_switches_set_the_environment(monkeypatch, switch, allocator, env):
     # Inherited values must not turn one switch into another.
     inherited = {"VLLM_SPECGRAPH": "0", "VLLM_PLUGINS": "other", ESTIMATE_ENV: "7"}
+    inherited[run_llm.PROFILE_ENV] = "extrapolate"
     inherited |= {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64", "PYTORCH_ALLOC_CONF": "x"}
     for key, value in inherited.items():
         monkeypatch.setenv(key, value)
@@ -223,6 +238,40 @@ def test_wrappers_notice_a_replaced_method_and_noest_subtracts_nothing(monkeypat
     m = fake_run("tiny", "base", "noest", [[1]], UPSTREAM)["mem"]
     assert (m["graph_estimate_applied_bytes"], m["activation_headroom_bytes"]) == (0, HEADROOM)
     assert summarize.over_budget_bytes(m) == (32 + 36) * MiB
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """The plugin's ``CaptureOnceOutcome``, the fields run_llm.py reads."""
+
+    max_blocks: int
+    num_blocks: int
+    reserved_bytes: int
+    mapped_bytes: int
+    taken_bytes: int
+    budget_bytes: int
+    seconds: float
+
+
+def once_run(case: str, tokens: list, held: int = ONCE["held"]) -> dict:
+    """A ``once`` run whose capture-once backed ``held`` bytes of KV pages."""
+    budget = KV_MAX - ONCE["actual"]
+    outcome = Outcome(KV_MAX >> 14, held >> 14, KV_MAX, held, ONCE["actual"], budget, 0.5)
+    return fake_run("tiny", case, "once", tokens, ONCE | {"held": held}, once=outcome)
+
+
+def test_once_over_budget_at_rest_counts_the_pages_backed_not_the_range():
+    r = once_run("base", [[1]])
+    assert r["capture_once"]["num_blocks"] == ONCE["held"] >> 14
+    assert r["capture_once_fallback"] is None and r["kv_tokens"] == ONCE["held"] >> 10
+    # vLLM reported the reserved most and subtracted nothing for graphs: its limit at
+    # rest (requested - headroom) is the KV budget with nothing taken for graphs.
+    keys = "kv_cache_bytes graph_estimate_applied_bytes activation_headroom_bytes"
+    assert pick([r["mem"]], keys) == f"{KV_MAX} 0 {HEADROOM}"
+    # Held: the pages backed (the budget less what graphs took) and the graphs.
+    assert summarize.over_budget_bytes(r["mem"]) == 0
+    # Backed to the reserved most: over by what the graphs took.
+    assert summarize.over_budget_bytes(once_run("base", [[1]], KV_MAX)["mem"]) == 30 * MiB
 
 
 @pytest.fixture
@@ -783,6 +832,28 @@ def test_serve_rows_pass_only_with_equal_tokens_plugin_lines_and_clean_exits(tmp
     assert md.endswith("| U, abc |\n")
 
 
+def test_once_rows_show_off_on_and_once_side_by_side(tmp_path):
+    toks, exact = [[5, 6]], _report({"target": 30 * MiB}, {"target": 30 * MiB}, 4 * MiB)
+    for case in ("base", "draft", "eagle"):
+        write(tmp_path, f"{case}-off", fake_run("tiny", case, "off", toks, UPSTREAM))
+        write(tmp_path, f"{case}-on", fake_run("tiny", case, "on", toks, EXACT, report=exact))
+    write(tmp_path, "base-once", once_run("base", toks))
+    write(tmp_path, "draft-once", once_run("draft", toks, KV_MAX))  # backed past its budget
+    fell_back = {"report": exact, "fallback": "no cuda-bindings"}  # the exact profile ran
+    write(tmp_path, "eagle-once", fake_run("tiny", "eagle", "once", toks, EXACT, **fell_back))
+    rc, doc, md = summary(tmp_path)
+    assert rc == 1 and pick(doc["rows"], "status pass") == "PASS True; PASS False; PASS True"
+    once = md[md.index("| size | case | KV tokens off / on / once |") :].splitlines()[2:5]
+    kv_tokens, startup = "| 7,340,032 / 8,388,608 / ", "| 12.5 / 12.5 / 12.5 | 0.0 / "
+    assert once == [
+        f"| tiny | base {kv_tokens}8,392,704 {startup}0.0 | 524,544 / 526,464 | True | PASS |",
+        f"| tiny | draft {kv_tokens}8,423,424 {startup}30.0 | 526,464 / 526,464 | True "
+        "| FAIL (over budget 30.0 MiB) |",
+        f"| tiny | eagle {kv_tokens}8,388,608 {startup}0.0 | - / - | True "
+        "| FALLBACK (no cuda-bindings) |",
+    ]
+
+
 # ---- device.py -------------------------------------------------------------------------
 
 
@@ -859,6 +930,7 @@ def test_plan_of_the_knobs():
     )
     assert [job[0].case for job in jobs] == ["base", "base", "draft", "draft", "accept", "accept"]
     assert device.knobs({"MODE": "serve"}).cases == ["draft"]
+    assert plan("CASES=base; GRAPHS=full; PLUGIN=on once") == "tiny-base-on / tiny-base-once"
 
 
 def test_lanes_and_core_pins(monkeypatch, capsys):

@@ -38,7 +38,7 @@ LISTS = {  # knob: default (None: the MODE's), the values allowed; the first fiv
     "SIZES": (None, "tiny 1b 8b"),
     "CASES": (None, "base draft accept ngram eagle"),
     "GRAPHS": ("compile", "full compile"),
-    "PLUGIN": (None, "off on none noest"),
+    "PLUGIN": (None, "off on none noest once"),
     "CAPTURE": ("default", "default small"),
     "ALLOCATOR": ("default", "default expandable"),
     "WORKLOAD": ("smoke", "smoke peak"),

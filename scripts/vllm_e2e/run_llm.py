@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -35,7 +36,7 @@ DEMO_CONFIGS = os.path.join(
 )
 MiB = 1 << 20
 CASES = ("base", "draft", "accept", "ngram", "eagle")  # accept: the target's own config
-PLUGIN_SWITCHES = ("off", "on", "none", "noest")
+PLUGIN_SWITCHES = ("off", "on", "none", "noest", "once")  # once: on, profile capture-once
 PLUGIN_NAME, PLUGIN_GROUP = "specgraph", "vllm.general_plugins"  # pyproject.toml's entry point
 PLUGIN_LOGGERS = ("vllm.specgraph", "vllm_specgraph")
 PLUGIN_LOG_PREFIX, PLUGIN_LOG_LIMIT = "SPECGRAPH-LOG", 500
@@ -44,6 +45,7 @@ WORKER_EXTENSION = "run_llm.E2EWorkerExtension"  # vLLM imports it in every work
 RANK_DIR_ENV = "E2E_RANK_DIR"  # where the workers also write their figures as they are taken
 COMMIT_ENV = "SPECGRAPH_COMMIT"  # the plugin commit the device script measures
 ESTIMATE_ENV = "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS"
+PROFILE_ENV = "VLLM_SPECGRAPH_PROFILE"
 TINY = {"model": "tiny-llama", "draft": "tiny-llama-draft", "eagle": "tiny-llama-draft"}
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {k: os.path.join(DEMO_CONFIGS, v) for k, v in TINY.items()}
@@ -92,8 +94,8 @@ def set_env(plugin: str, allocator: str = "default") -> dict[str, str | None]:
         raise ValueError(f"plugin switch must be one of {PLUGIN_SWITCHES}, got {plugin!r}")
     for key, value in BASE_ENV.items():
         os.environ.setdefault(key, value)
-    for key in (*ALLOC_CONF_ENVS, ESTIMATE_ENV, "VLLM_SPECGRAPH"):
-        os.environ.pop(key, None)  # vLLM's default: subtract the estimate; the plugin's: on
+    for key in (*ALLOC_CONF_ENVS, ESTIMATE_ENV, "VLLM_SPECGRAPH", PROFILE_ENV):
+        os.environ.pop(key, None)  # vLLM's default: subtract the estimate; the plugin's: on, exact
     if ALLOCATORS[allocator] is not None:
         os.environ[ALLOC_CONF_ENVS[0]] = ALLOCATORS[allocator]
     os.environ["VLLM_PLUGINS"] = "" if plugin == "none" else PLUGIN_NAME
@@ -101,10 +103,10 @@ def set_env(plugin: str, allocator: str = "default") -> dict[str, str | None]:
         os.environ["VLLM_SPECGRAPH"] = "0"
     if plugin == "noest":
         os.environ[ESTIMATE_ENV] = "0"
-    return {
-        k: os.environ.get(k)
-        for k in ("VLLM_PLUGINS", "VLLM_SPECGRAPH", ESTIMATE_ENV, ALLOC_CONF_ENVS[0])
-    }
+    if plugin == "once":
+        os.environ[PROFILE_ENV] = "capture-once"
+    keys = ("VLLM_PLUGINS", "VLLM_SPECGRAPH", ESTIMATE_ENV, ALLOC_CONF_ENVS[0], PROFILE_ENV)
+    return {k: os.environ.get(k) for k in keys}
 
 
 def estimate_applied(environ: dict[str, str] | None = None) -> bool:
@@ -177,6 +179,16 @@ def plugin_report(runner: Any) -> dict | None:
     return prof.to_dict()
 
 
+def capture_once_of(runner: Any) -> dict[str, Any]:
+    """Capture-once's outcome on the runner (None when absent) and why it fell back
+    (None when it did not; then the exact profile ran, reported as for ``on``)."""
+    outcome = getattr(runner, "specgraph_capture_once", None)
+    return {
+        "capture_once": None if outcome is None else dataclasses.asdict(outcome),
+        "capture_once_fallback": getattr(runner, "specgraph_capture_once_fallback", None),
+    }
+
+
 # ---- measurement -----------------------------------------------------------------
 
 
@@ -241,7 +253,7 @@ def install_wrappers(runner_cls: Any, worker_cls: Any, cuda: Any, mem: dict[str,
         t0 = time.perf_counter()
         r = orig_dam(self)
         mem["determine_available_memory_wall_s"] = round(time.perf_counter() - t0, 3)
-        mem["kv_cache_bytes"] = int(r)
+        mem["kv_cache_bytes"] = int(r)  # capture-once: the reserved most, not what it backs
         mem["worker_cudagraph_memory_estimate"] = int(
             getattr(self, "cudagraph_memory_estimate", -1)
         )
@@ -268,7 +280,15 @@ def worker_budget(worker: Any, applied: bool) -> dict[str, int]:
     ``determine_available_memory``: ``kv = requested - non_kv - graph estimate applied``,
     ``requested = ceil(total * gpu_memory_utilization)`` from its init snapshot, the
     headroom the profile run's activation peak above what it kept. Empty when the
-    worker did not profile (``kv_cache_memory_bytes`` was set)."""
+    worker did not profile (``kv_cache_memory_bytes`` was set).
+
+    Over budget at rest (summarize.py) is what the process holds at driver level at
+    rest beyond ``requested - headroom``, and means the same under capture-once: its
+    profile returned 0, so nothing was subtracted and the headroom is the activation
+    peak alone, as vLLM kept it; the reserved range counts at driver level only for
+    the pages backed (``capture_once.mapped_bytes``), beside what graphs and warm-up
+    took. No KV figure enters it: ``kv_cache_bytes`` is there the reserved most, and
+    a limit built from it would hide what the graphs took."""
     snapshot = getattr(worker, "init_snapshot", None)
     needed = ("requested_memory", "peak_activation_memory", "available_kv_cache_memory_bytes")
     if snapshot is None or not all(hasattr(worker, name) for name in needed):
@@ -834,6 +854,7 @@ class E2EWorkerExtension:
             "shim_active": bool(getattr(shim, "IS_SHIM", False)),
         }
         try:
+            record |= capture_once_of(runner)
             record["plugin_report"] = plugin_report(runner)
         except Exception as e:
             record["plugin_report"] = {"error": repr(e)}
@@ -1025,6 +1046,7 @@ def main() -> int:
             except Exception as e:  # informational only
                 result["resolved"]["introspect_error"] = repr(e)
             try:
+                result |= capture_once_of(runner)
                 result["plugin_report"] = plugin_report(runner)
             except Exception as e:
                 result["plugin_report"] = {"error": repr(e)}

@@ -7,11 +7,11 @@
 Reads every OUTDIR/*.json that run_llm.py wrote (and the .log beside it; runs
 named in OUTDIR/skipped.txt did not run) and writes DIR/vllm_graph_memory.{json,md}
 (DIR defaults to OUTDIR/bench/results): one row per (size group, case), the
-plugin off, on and noest side by side; the load runs (every round of a case in
-one row) go to DIR/vllm_load.{json,md}. With --previous (an earlier
-vllm_graph_memory.json; its directory's vllm_load.json too) the rows this
-OUTDIR has no run for are carried over if they name the plugin commit they
-measured. Exits 0 only if every run ran and every row of this invocation passed.
+plugin off, on and noest side by side (once in a table of its own); the load
+runs (every round of a case in one row) go to DIR/vllm_load.{json,md}. With
+--previous (an earlier vllm_graph_memory.json; its directory's vllm_load.json
+too) the rows this OUTDIR has no run for are carried over if they name the
+plugin commit they measured. Exits 0 only if every run ran and every row of this invocation passed.
 ``--serve`` compares serve.py's two runs into DIR/vllm_serve.{json,md}.
 
 A size group is the size, then ``-small`` (capture sizes), ``-compile`` (vLLM's
@@ -34,8 +34,9 @@ from typing import Any
 MiB = 1 << 20
 SIZES = ("tiny", "1b", "8b")
 CASES = ("base", "draft", "accept", "ngram", "eagle")
-SWITCHES = ("off", "on", "none", "noest")
+SWITCHES = ("off", "on", "none", "noest", "once")
 EST_TOL_FRACTION, EST_TOL_BYTES, RETAINED_MAX_BYTES = 0.01, 2 * MiB, 2 * MiB
+ONCE_OVER_MAX_BYTES, ONCE_KV_TOL_FRACTION = 2 * MiB, 0.01  # the capture-once check's
 MAX_SLOWDOWN = 0.02  # the load table's: the plugin's share of a step
 Run = dict[str, Any]
 Key = tuple[str, str, str]  # (size group, case, switch)
@@ -180,9 +181,16 @@ def status(checks: dict[str, bool | None], reasons: dict[str, tuple[str, str]]) 
 
 
 def build_row(
-    size: str, case: str, off: Run | None, on: Run | None, off_switch: str, noest: Run | None = None
+    size: str,
+    case: str,
+    off: Run | None,
+    on: Run | None,
+    off_switch: str,
+    noest: Run | None = None,
+    once: Run | None = None,
 ) -> dict:
-    """One (size group, case): off, on and noest side by side, the plugin-on run checked."""
+    """One (size group, case): off, on, noest and once side by side, the plugin-on run
+    checked, and the once run on its own (``once_status``)."""
     # The plugin returns a budget: graph bytes plus what the profile left with the
     # process (one-time state); its graph estimate is what compares with the capture.
     report = (on or {}).get("plugin_report")
@@ -199,7 +207,7 @@ def build_row(
         r.get("tokens") if r and r.get("ok") else None for r in (off, on, noest)
     )
     some = on or off or noest or {}
-    commits = [r.get("commit") for r in (off, on, noest) if r]
+    commits = [r.get("commit") for r in (off, on, noest, once) if r]
     row: dict[str, Any] = {
         "size": size,
         "case": case,
@@ -234,7 +242,7 @@ def build_row(
         "acceptance_on": ((on or {}).get("spec") or {}).get("acceptance_rate"),
         "owners_on": owner_figures(report),
         "measured_utc": max(
-            (r["_measured_utc"] for r in (off, on, noest) if r and r.get("_measured_utc")),
+            (r["_measured_utc"] for r in (off, on, noest, once) if r and r.get("_measured_utc")),
             default=None,
         ),
         "commit": "/".join(dict.fromkeys(commits)) if commits and all(commits) else None,
@@ -243,6 +251,7 @@ def build_row(
         ("off", off, est_off),
         ("on", on, budget_on),
         ("noest", noest, 0 if noest is not None else None),
+        *[("once", once, None)] * (once is not None),  # nothing budgeted: no profile capture
     ):
         # The profile is followed by KV sizing, so what it left taken counts as much
         # as what the production capture then took.
@@ -265,6 +274,8 @@ def build_row(
         checks["retained"] = row["retained_on_beyond_one_time_bytes"] <= RETAINED_MAX_BYTES
     row["checks"] = checks
     row["pass"] = all(v is True for v in checks.values())
+    if once is not None:
+        once_row(row, once, tok_off)
     row["status"] = status(
         checks,
         {
@@ -282,6 +293,29 @@ def build_row(
     return row
 
 
+def once_row(row: dict, once: Run, tok_off: Any) -> None:
+    """The once run's figures and check: FALLBACK where capture-once did not apply (the
+    exact profile ran, as for on), else FAIL when over budget at rest by more than 2
+    MiB, its tokens differ from off or it has over 1 % fewer KV tokens than on."""
+    outcome, fallback = once.get("capture_once") or {}, once.get("capture_once_fallback")
+    row |= {"ran_once": bool(once.get("ok")), "capture_once_fallback": fallback}
+    row |= {f"{k}_once": outcome.get(k) for k in ("num_blocks", "max_blocks", "mapped_bytes")}
+    tok_once = once.get("tokens") if once.get("ok") else None
+    row["tokens_equal_once_off"] = tok_once == tok_off if tok_once is not None and tok_off else None
+    over, kv_on, kv_once = (
+        row[k] for k in ("over_budget_once_bytes", "kv_tokens_on", "kv_tokens_once")
+    )
+    checks = {"over_budget": None if over is None else over <= ONCE_OVER_MAX_BYTES}
+    checks["tokens"] = row["tokens_equal_once_off"]
+    enough = None if None in (kv_on, kv_once) else kv_once >= (1 - ONCE_KV_TOL_FRACTION) * kv_on
+    checks["kv_tokens"] = enough
+    fewer = f"KV tokens {pct(diff(kv_once, kv_on), kv_on) or 0:+.1f} % against on"
+    reasons = {"over_budget": ("no over-budget figure", f"over budget {mib(over)} MiB")}
+    reasons |= {"tokens": ("tokens missing", "tokens differ"), "kv_tokens": ("no KV tokens", fewer)}
+    row["once_checks"] = checks
+    row["once_status"] = f"FALLBACK ({fallback})" if fallback else status(checks, reasons)
+
+
 def build_tp_row(
     size: str,
     case: str,
@@ -290,6 +324,7 @@ def build_tp_row(
     off_switch: str,
     tp: int,
     noest: Run | None = None,
+    once: Run | None = None,
 ) -> dict:
     """Each rank's off/on pair checked like a TP=1 row: the row shows the worst rank
     (failing first, then the larger estimate error, then more left taken) and
@@ -298,15 +333,13 @@ def build_tp_row(
     def rank(r: Run | None, i: int) -> Run | None:
         ranks = (r or {}).get("ranks") or []
         one = ranks[i] if i < len(ranks) else {}
-        return (
-            None
-            if r is None
-            else r | {"mem": one.get("mem"), "plugin_report": one.get("plugin_report")}
-        )
+        keys = ("mem", "plugin_report", "capture_once", "capture_once_fallback")
+        return None if r is None else r | {k: one.get(k) for k in keys}
 
     n = max(len((off or {}).get("ranks") or []), len((on or {}).get("ranks") or []), tp)
     subs = [
-        build_row(size, case, rank(off, i), rank(on, i), off_switch, rank(noest, i)) | {"rank": i}
+        build_row(size, case, rank(off, i), rank(on, i), off_switch, rank(noest, i), rank(once, i))
+        | {"rank": i}
         for i in range(n)
     ]
 
@@ -342,13 +375,18 @@ def memory_rows(runs: dict[Key, Run]) -> list[dict]:
         for case in CASES:
             has_off = (size, case, "off") in runs
             off_switch = "none" if (size, case, "none") in runs and not has_off else "off"
-            off, on, noest = (runs.get((size, case, s)) for s in (off_switch, "on", "noest"))
-            if off is None and on is None and noest is None:
+            switches = (off_switch, "on", "noest", "once")
+            off, on, noest, once = (runs.get((size, case, s)) for s in switches)
+            if not (off or on or noest or once):
                 continue
             if tp > 1:
-                rows.append(build_tp_row(size, case, off, on, off_switch, tp, noest))
+                rows.append(build_tp_row(size, case, off, on, off_switch, tp, noest, once))
             else:
-                rows.append(build_row(size, case, off, on, off_switch, noest))
+                rows.append(build_row(size, case, off, on, off_switch, noest, once))
+            # A once FAIL fails the row (on any rank); a FALLBACK does not: the exact
+            # profile ran and the on checks cover it.
+            for x in [row := rows[-1], *row.get("ranks", [])]:
+                row["pass"] &= not x.get("once_status", "").startswith("FAIL")
     return rows
 
 
@@ -387,7 +425,8 @@ def size_meta(size: str, runs: dict[Key, Run], outdir: str) -> dict:
 
 
 RUN_FIELDS = "ok stage error startup_s init_s generate_s kv_tokens mem spec plugin plugin_report"
-RUN_FIELDS = words(RUN_FIELDS + " tokens tp capture workload load gpu commit")
+RUN_FIELDS += " tokens tp capture workload load gpu commit capture_once capture_once_fallback"
+RUN_FIELDS = words(RUN_FIELDS)
 
 
 def compact_run(key: Key, r: Run) -> dict:
@@ -715,6 +754,35 @@ def memory_cells(row: dict) -> list[str]:
     ]
 
 
+ONCE_COLUMNS = words(
+    "size|case|KV tokens off / on / once|start-up s off / on / once|"
+    "over budget at rest on / once MiB|KV blocks backed / reserved (once)|tokens once = off|check",
+    "|",
+)
+
+
+def once_cells(row: dict) -> list[str]:
+    g, sides = row.get, ("off", "on", "once")
+    return [
+        row["size"],
+        row["case"],
+        values([g(f"kv_tokens_{s}") for s in sides], lambda x: f"{x:,}", 3),
+        values([g(f"startup_{s}_s") for s in sides], lambda x: f"{x:.1f}", 3),
+        values([g("over_budget_on_bytes"), g("over_budget_once_bytes")], mib),
+        values([g("num_blocks_once"), g("max_blocks_once")], lambda x: f"{x:,}"),
+        "-" if g("tokens_equal_once_off") is None else str(g("tokens_equal_once_off")),
+        row["once_status"],
+    ]
+
+
+ONCE_NOTES = (
+    "Capture once: the plugin on with `VLLM_SPECGRAPH_PROFILE=capture-once` (`PLUGIN=once`): "
+    "no profile capture; the KV cache over a range reserved for the most blocks, backed "
+    "after warm-up and the production capture up to the KV budget less what they took. "
+    "Check: FALLBACK (the reason) where capture-once did not apply and the exact profile "
+    f"ran; else over budget at rest <= {ONCE_OVER_MAX_BYTES / MiB:.0f} MiB, greedy tokens "
+    f"equal to off and at most {ONCE_KV_TOL_FRACTION:.0%} fewer KV tokens than on."
+)
 MEMORY_NOTES = (
     "Upstream estimate: the return of `GPUModelRunner.profile_cudagraph_memory`. "
     "Plugin estimate: the graph bytes of the plugin's report; plugin budget: what "
@@ -776,6 +844,8 @@ def memory_markdown(doc: dict) -> str:
         f"still taken after the profile returned <= {t['retained_max_bytes'] / MiB:.0f} MiB; "
         "greedy tokens equal to the plugin-off run."
     )
+    if once := [row for row in doc["rows"] if "once_status" in row]:
+        out += ["", ONCE_NOTES, "", *grid(ONCE_COLUMNS, [once_cells(row) for row in once], 2)]
     return "\n".join([*out, "", MEMORY_NOTES]) + "\n"
 
 
@@ -923,6 +993,8 @@ def print_run(tag: str, r: Run) -> None:
         )
     if m or (r.get("ok") and "ranks" not in r):
         print(f"    {figures(m)}")
+    if once := r.get("capture_once_fallback") or r.get("capture_once"):
+        print(f"    capture-once: {once}")
     for who, x in [("", r)] + [(f"rank {x.get('rank')} ", x) for x in r.get("ranks") or []]:
         p = x.get("plugin") if isinstance(x.get("plugin"), dict) else {}
         if who:
@@ -1032,6 +1104,7 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * 72, "plugin off vs on (MiB unless stated)", sep="\n")
     rows.sort(key=lambda r: key_order((r["size"], r["case"])))
     print_rows("", rows, MEMORY_COLUMNS, memory_cells, 3)
+    print_rows("once ", [r for r in rows if "once_status" in r], ONCE_COLUMNS, once_cells, 2)
     write(results, "vllm_graph_memory", doc, memory_markdown(doc))
 
     if loads := load_rows(load):
