@@ -122,14 +122,19 @@ def _wrap_capture_model(original: Callable) -> Callable:
         outcome: SpecgraphCapture | None = getattr(self, "specgraph_profile", None)
         if profile_only or current_meter() is not None:
             return original(self, profile_only=profile_only)
-        if outcome is None:
-            if planned_runner() is not self:
-                return original(self, profile_only=profile_only)
-            with metering(CaptureMeter(graphs_captured)) as meter, meter.whole_call():
+        if outcome is None and planned_runner() is not self:
+            return original(self, profile_only=profile_only)
+        from vllm_specgraph.patches._capture_allocator import expandable_segments_for_capture
+
+        if outcome is None:  # capture-once: the graphs pack as the exact profile's do
+            with (
+                expandable_segments_for_capture(self.vllm_config),
+                metering(CaptureMeter(graphs_captured)) as meter,
+                meter.whole_call(),
+            ):
                 total = original(self, profile_only=profile_only)
             record_graphs(meter.owners(int(total)))
             return total
-        from vllm_specgraph.patches._capture_allocator import expandable_segments_for_capture
 
         started = time.perf_counter()
         with (
