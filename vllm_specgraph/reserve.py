@@ -316,20 +316,21 @@ class StridedPlacement:
         return [(start, start + span) for start in starts]
 
 
+def _pages_bytes(placements: list[StridedPlacement], num_blocks: int, granularity: int) -> int:
+    runs = [run for p in placements for run in p.runs(num_blocks)]
+    return sum(end - start for start, end in page_runs(runs, granularity))
+
+
 def blocks_within(
     placements: list[StridedPlacement], budget_bytes: int, granularity: int, max_blocks: int
 ) -> int:
     """The most blocks (at most ``max_blocks``) whose pages, over every placement, fit
     in ``budget_bytes`` once widened to ``granularity``."""
 
-    def pages_bytes(num_blocks: int) -> int:
-        runs = [run for p in placements for run in p.runs(num_blocks)]
-        return sum(end - start for start, end in page_runs(runs, granularity))
-
     low, high = 0, max_blocks
     while low < high:  # the largest count that fits: pages grow with the count
         middle = (low + high + 1) // 2
-        if pages_bytes(middle) <= budget_bytes:
+        if _pages_bytes(placements, middle, granularity) <= budget_bytes:
             low = middle
         else:
             high = middle - 1
@@ -372,8 +373,7 @@ class BlockBacking:
 
     def pages_bytes(self, num_blocks: int) -> int:
         """The bytes of whole pages that back blocks ``0 .. num_blocks - 1``."""
-        runs = [run for p in self.placements for run in p.runs(num_blocks)]
-        return sum(end - start for start, end in page_runs(runs, self.reserved.granularity))
+        return _pages_bytes(self.placements, num_blocks, self.reserved.granularity)
 
     def most_blocks_within(self, budget_bytes: int) -> int:
         """The most blocks whose pages fit in ``budget_bytes``; never fewer than are backed."""

@@ -54,7 +54,7 @@ def _in_draft_lane_when(is_draft: Callable[..., bool], method: Callable) -> Call
 def _compile_or_warm_up_model(original: Callable) -> Callable:
     @functools.wraps(original)
     def compile_or_warm_up_model(self):
-        if planned_runner() is None or planned_runner() is not self.model_runner:
+        if planned_runner() is not self.model_runner:
             return original(self)
         try:
             compilation_times = original(self)

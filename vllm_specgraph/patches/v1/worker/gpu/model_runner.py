@@ -120,21 +120,11 @@ def _wrap_capture_model(original: Callable) -> Callable:
     @functools.wraps(original)
     def capture_model(self, *, profile_only: bool = False) -> int:
         outcome: SpecgraphCapture | None = getattr(self, "specgraph_profile", None)
-        if profile_only or current_meter() is not None:
-            return original(self, profile_only=profile_only)
-        if outcome is None and planned_runner() is not self:
+        # Measured where the exact profile ran, and under capture-once (no profile).
+        measured = outcome is not None or planned_runner() is self
+        if profile_only or current_meter() is not None or not measured:
             return original(self, profile_only=profile_only)
         from vllm_specgraph.patches._capture_allocator import expandable_segments_for_capture
-
-        if outcome is None:  # capture-once: the graphs pack as the exact profile's do
-            with (
-                expandable_segments_for_capture(self.vllm_config),
-                metering(CaptureMeter(graphs_captured)) as meter,
-                meter.whole_call(),
-            ):
-                total = original(self, profile_only=profile_only)
-            record_graphs(meter.owners(int(total)))
-            return total
 
         started = time.perf_counter()
         with (
@@ -143,6 +133,9 @@ def _wrap_capture_model(original: Callable) -> Callable:
             meter.whole_call(),
         ):
             total = original(self, profile_only=profile_only)
+        if outcome is None:
+            record_graphs(meter.owners(int(total)))
+            return total
         outcome.capture_wall_seconds = time.perf_counter() - started
         outcome.actual = meter.owners(int(total))
         outcome.actual_footprint = meter.footprint
