@@ -78,6 +78,7 @@ def _runner(max_num_seqs=2, max_num_batched_tokens=32):
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
         ),
         decode_query_len=1,
+        device=torch.device("cuda:0"),
     )
 
 
@@ -178,6 +179,25 @@ def test_backing_after_capture_gives_the_kv_cache_the_budget_less_what_capture_t
     assert _capture_once.planned_runner() is None
 
 
+def test_state_made_between_the_profile_and_the_kv_allocation_is_taken_from_the_budget(
+    gpu, install_patch
+):
+    """vLLM's KV budget is measured at its memory profile; what the runner makes after
+    it and before the KV cache (a speculator's attention state, block tables) is
+    held at rest as the graphs are, so the budget must count it."""
+    config, _ = _kv_cache_config(num_blocks=256)
+    runner = _runner()
+    attn_utils = install_patch("vllm.v1.worker.gpu.attn_utils")
+    _capture_once.plan_capture_once(runner)
+    gpu.free -= 4 * MIB  # state the runner makes before it allocates the KV cache
+    attn_utils.allocate_kv_cache(config, torch.device("cuda:0"), _layout(), None)
+    gpu.free -= 2 * MIB  # the production graphs
+    outcome = _capture_once.back_within_budget(_worker(runner, 14 * MIB))
+    assert outcome.taken_bytes == 6 * MIB
+    # 8 MiB: 4 MiB a layer = 64 blocks of 64 KiB
+    assert outcome.num_blocks == 64 and outcome.mapped_bytes == 8 * MIB
+
+
 def test_backing_stops_at_the_budget_and_keeps_what_blocks_held(gpu, install_patch):
     config, _ = _kv_cache_config(num_blocks=256)
     runner = _runner()
@@ -197,7 +217,8 @@ def test_a_budget_below_the_warmup_blocks_stops_start_up_naming_the_numbers(gpu,
     runner = _runner()
     _allocate(install_patch, config, runner)
     gpu.free -= 30 * MIB
-    with pytest.raises(RuntimeError, match=r"took 30.0 MiB, leaving 0.0 MiB of the 20.0 MiB"):
+    took = r"took 30.0 MiB since vLLM's memory profile, leaving 0.0 MiB of the 20.0 MiB"
+    with pytest.raises(RuntimeError, match=took):
         _capture_once.back_within_budget(_worker(runner, 20 * MIB))
 
 

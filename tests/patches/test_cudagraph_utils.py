@@ -106,9 +106,9 @@ def vllm_env(install_patch, allocator_conf, monkeypatch):
         ]
 
     for name, fn in {
-        "synchronize": lambda: events.append(("sync",)),
+        "synchronize": lambda *device: events.append(("sync",)),
         "empty_cache": empty_cache,
-        "mem_get_info": lambda: (state["free"], 2000 * MIB),
+        "mem_get_info": lambda *device: (state["free"], 2000 * MIB),
         "memory_snapshot": memory_snapshot,
         "memory_reserved": lambda: 300 * MIB + kept() + state["held"],
         "max_memory_reserved": lambda: 300 * MIB + kept() + state["held"],
@@ -262,6 +262,7 @@ class _Runner:
         # and in a default-pool segment.
         self.one_time_bytes, self.kept_bytes = one_time_bytes, kept_bytes
         self.compilation_config = SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL)
+        self.device = torch.device("cuda:0")
         self.vllm_config = SimpleNamespace(use_cumem_cudagraph_pool=False)
         record = env.events.append
         self.cudagraph_manager = SimpleNamespace(release_graphs=lambda: record(("release",)))
@@ -908,6 +909,7 @@ def test_profile_under_capture_once_captures_nothing_and_arms_it(vllm_env, monke
     assert vllm_env.cudagraph_utils.profile_cudagraph_memory(runner) == 0
     assert _captures(vllm_env) == 0, "no profile capture"
     assert _capture_once.planned_runner() is runner
+    assert _capture_once._plan.free_before == vllm_env.state["free"], "read at the profile"
     assert getattr(runner, "specgraph_profile", None) is None
 
 

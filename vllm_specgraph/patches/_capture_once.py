@@ -11,9 +11,10 @@ no disposable capture:
    from the ``attn_utils`` patch); vLLM makes its per-layer views as it would.
 3. Warm-up and the production capture run as shipped; the capture is measured per
    owner (the ``model_runner`` patch).
-4. What the GPU gave since the allocation, less the KV pages, is what graphs and
-   warm-up took; the KV cache is backed up to the worker's KV budget less that
-   (:func:`back_within_budget`, from the ``gpu_worker`` patch).
+4. What the GPU gave since the plan, less the KV pages, is what the runner's
+   state made after vLLM's memory profile (the speculator's attention state, block
+   tables), warm-up and the graphs took; the KV cache is backed up to the worker's
+   KV budget less that (:func:`back_within_budget`, from the ``gpu_worker`` patch).
 5. The engine core gives the scheduler the fewest blocks any worker backed
    (:func:`backed_kv_blocks`, from the ``engine.core`` patch).
 
@@ -66,7 +67,7 @@ class CaptureOnceOutcome:
     num_blocks: int  # backed, what the scheduler may use
     reserved_bytes: int
     mapped_bytes: int  # of KV pages, at the end
-    taken_bytes: int  # given out since the KV allocation beside its pages: graphs, warm-up
+    taken_bytes: int  # given out since the plan beside the KV pages: state, warm-up, graphs
     budget_bytes: int  # the worker's KV budget less taken_bytes
     seconds: float  # backing and zeroing
     graphs: tuple[OwnerMemory, ...] = ()  # the production capture, per owner
@@ -75,7 +76,7 @@ class CaptureOnceOutcome:
 @dataclass
 class _Plan:
     runner: Any
-    free_before: int = 0
+    free_before: int
     backing: BlockBacking | None = None
     graphs: tuple[OwnerMemory, ...] = ()
 
@@ -127,9 +128,21 @@ def capture_once_blocker(runner: Any) -> str | None:
 
 
 def plan_capture_once(runner: Any) -> None:
-    """Arm capture-once for ``runner``: the next KV allocation is laid over a reserved range."""
+    """Arm capture-once for ``runner``: the next KV allocation is laid over a reserved range.
+
+    Called where vLLM's memory profile has just measured what the KV budget leaves
+    out; the free memory read here is what everything the runner makes from now on
+    besides the KV pages is counted against.
+    """
     global _plan
-    _plan = _Plan(runner)
+    _plan = _Plan(runner, _settled_free(runner.device))
+
+
+def _settled_free(device: torch.device) -> int:
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
 
 
 def planned_runner() -> Any:
@@ -232,9 +245,6 @@ def reserved_kv_allocation(
     if plan is None or plan.backing is not None or not kv_cache_config.kv_cache_tensors:
         return allocate(kv_cache_config, device, *args, **kwargs)
     (nbytes,) = {t.size for t in kv_cache_config.kv_cache_tensors}
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    free_before = torch.cuda.mem_get_info(device)[0]
     reserved = ReservedRange(nbytes, device)
     backing = None
     try:
@@ -245,15 +255,15 @@ def reserved_kv_allocation(
     except BaseException:
         _drop_plan(backing, reserved)
         raise
-    plan.free_before, plan.backing = free_before, backing
+    plan.backing = backing
     return kv_caches
 
 
 def back_within_budget(worker: Any) -> CaptureOnceOutcome | None:
-    """Back the KV cache up to the worker's budget less what graphs and warm-up took.
+    """Back the KV cache up to the worker's budget less what was taken since the plan.
 
     None where capture-once is not armed for this worker's runner. Raises
-    RuntimeError when what they took leaves less than the warm-up blocks already
+    RuntimeError when that leaves less than the warm-up blocks already
     hold, and :class:`~vllm_specgraph.reserve.PageMapError` when the driver refuses
     pages (naming requested and free bytes; nothing of the call stays mapped).
     """
@@ -263,17 +273,15 @@ def back_within_budget(worker: Any) -> CaptureOnceOutcome | None:
         return None
     started = time.perf_counter()
     backing = plan.backing
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    free_now = torch.cuda.mem_get_info(backing.reserved.device)[0]
+    free_now = _settled_free(backing.reserved.device)
     taken = plan.free_before - free_now - backing.reserved.mapped_bytes
     kv_budget = int(worker.available_kv_cache_memory_bytes)
     budget = kv_budget - taken
     held = backing.pages_bytes(backing.num_blocks)
     if budget < held:
         raise RuntimeError(
-            f"capture-once: graphs and warm-up took {taken / _MIB:.1f} MiB, leaving "
+            f"capture-once: state, warm-up and graphs took {taken / _MIB:.1f} MiB since "
+            f"vLLM's memory profile, leaving "
             f"{max(budget, 0) / _MIB:.1f} MiB of the {kv_budget / _MIB:.1f} MiB KV budget, "
             f"less than the {held / _MIB:.1f} MiB its {backing.num_blocks} "
             "warm-up blocks hold; raise gpu_memory_utilization, lower max_num_seqs, or set "
@@ -293,8 +301,9 @@ def back_within_budget(worker: Any) -> CaptureOnceOutcome | None:
     plan.runner.specgraph_capture_once = outcome
     _plan = None
     logger.info(
-        "vllm-specgraph: capture-once: graphs %s; graphs and warm-up took %.1f MiB beside the "
-        "KV cache; backed %d of %d KV blocks (%.1f of %.1f MiB reserved) in %.2f s",
+        "vllm-specgraph: capture-once: graphs %s; state, warm-up and graphs took %.1f MiB beside "
+        "the KV cache since vLLM's memory profile; backed %d of %d KV blocks "
+        "(%.1f of %.1f MiB reserved) in %.2f s",
         describe_owners(outcome.graphs) or "none measured",
         taken / _MIB,
         outcome.num_blocks,
