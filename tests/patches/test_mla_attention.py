@@ -85,7 +85,7 @@ def mla(install_patch, monkeypatch):
 
     monkeypatch.setattr(patch, "_reserved", {})
 
-    def layer(world_size: int, *, backend: str = "ag_rs", sparse: bool = False):
+    def layer(world_size: int, *, backend: str = "ag_rs", sparse: bool = False, impl=None):
         group = _Group(world_size)
         monkeypatch.setattr(parallel_state, "_DCP", group)
         config = VllmConfig(
@@ -102,7 +102,8 @@ def mla(install_patch, monkeypatch):
             v_head_dim=V,
             kv_cache_dtype="auto",
             _chunked_prefill_workspace_size=64,
-            impl=SimpleNamespace(
+            impl=impl
+            or SimpleNamespace(
                 is_sparse=sparse, supports_quant_query_input=False, reserve_workspace=lambda: None
             ),
             dcp_manager=None,
@@ -309,3 +310,84 @@ def test_padded_heads_and_prefill_context_parallelism(mla):
     assert shapes["attn_out"] == (t, 128, L) and shapes["lse"] == (t, 128)
     layer.dcp_manager.query_gather = None  # prefill context parallelism: not modelled
     assert mla.patch.decode_transients(layer, t, torch.bfloat16) == []
+
+
+K = 16  # the top-k buffer's width
+
+
+def _sparse_impl(cls, **attributes):
+    """A vLLM sparse MLA impl without its ``__init__``, which needs a GPU (the
+    attributes it sets that the decode path reads are given)."""
+    impl = cls.__new__(cls)
+    impl.__dict__.update(reserve_workspace=lambda: None, **attributes)
+    impl.init_topk_indices_buffer(None, torch.zeros(8, K, dtype=torch.int32))
+    return impl
+
+
+def _flashmla_sparse(padded_heads: int = 64):
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseImpl
+
+    return _sparse_impl(FlashMLASparseImpl, fp8_decode_padded_heads=padded_heads, q_head_size=D)
+
+
+def test_flashmla_sparse_pads_the_gathered_heads_and_copies_the_output_back(mla, allocations):
+    layer = mla.layer(2, impl=_flashmla_sparse())
+    t = 3 * layer.dcp_manager.max_num_tokens  # sparse: every token of the batch
+    mla.profile(layer, t)
+    made = dict.fromkeys(allocations.made)
+    assert ((t, K), torch.int32) in made, "the DCP index conversion"
+    assert ((t, 64, D), torch.bfloat16) in made, "the query padded to the kernel's 64 heads"
+    assert ((t, 64, L), torch.bfloat16) in made and ((t, 64), torch.float32) in made
+    assert ((t, 2 * H, L), torch.bfloat16) in made, "the packed copy of the output"
+    # The LSE copied out of its transposed view for the gather, and the corrected one.
+    assert allocations.made.count(((t, 2 * H), torch.float32)) == 2
+    # The peak: absorbed and gathered query, conversion, padded query, padded output, LSE.
+    peak = t * (BF16 * H * L + BF16 * 2 * H * D + 4 * K + BF16 * 64 * (D + L) + F32 * 64)
+    assert mla.patch.reserved_bytes() == {"target": peak}
+    assert allocations.peak == peak
+
+
+def test_flashmla_sparse_with_every_kernel_head_gathered_copies_nothing(mla):
+    layer = mla.layer(4, impl=_flashmla_sparse(padded_heads=4 * H))
+    t = layer.dcp_manager.max_num_tokens
+    steps = mla.patch.decode_transients(layer, t, torch.bfloat16)
+    names = [s[1].name for s in steps if s[0] == "make"]
+    assert "query_heads_padded" not in names and "attn_out_padded" not in names
+    assert {s[1].name: s[1].shape for s in steps if s[0] == "make"}["attn_out"] == (t, 4 * H, L)
+
+
+def test_flashinfer_sparse_converts_indices_and_masks_empty_rows(mla, allocations):
+    from vllm.v1.attention.backends.mla.flashinfer_mla_sparse import FlashInferMLASparseImpl
+
+    layer = mla.layer(2, impl=_sparse_impl(FlashInferMLASparseImpl))
+    t = 2 * layer.dcp_manager.max_num_tokens
+    mla.profile(layer, t)
+    made = dict.fromkeys(allocations.made)
+    assert ((t, K), torch.int32) in made and ((t,), torch.int32) in made
+    assert ((t, K), torch.bool) in made, "the empty-row mask"
+    assert ((t, 2 * H, L), torch.bfloat16) in made, "no head padding"
+    assert not any(shape[1:2] == (64,) for shape, _ in made)
+    steps = mla.patch.decode_transients(layer, t, torch.bfloat16)
+    assert mla.patch.reserved_bytes() == {"target": mla.patch.peak_bytes(steps)}
+
+
+def test_fa4_sparse_rescales_the_lse_of_a_batch_with_prefill_tokens(mla):
+    from vllm.v1.attention.backends.mla.flashinfer_mla_sparse import FlashInferMLASparseImpl
+
+    # vLLM's FA4 impl subclasses FlashInfer's; its module needs vLLM's CUDA
+    # flash-attention extension to import, so a class of the same name stands in.
+    fa4 = type("FlashAttnMLASparseFA4Impl", (FlashInferMLASparseImpl,), {})
+    layer = mla.layer(2, impl=_sparse_impl(fa4))
+    t = layer.dcp_manager.max_num_tokens
+    steps = mla.patch.decode_transients(layer, t, torch.bfloat16)
+    assert ("make", mla.patch.Transient("lse_base_e", (t, 2 * H), torch.float32)) in steps
+    assert steps.index(("drop", "lse")) > [s[1] for s in steps].index(
+        mla.patch.Transient("lse_base_e", (t, 2 * H), torch.float32)
+    )
+
+
+def test_sparse_backends_reserve_nothing_with_one_dcp_rank(mla, allocations):
+    layer = mla.layer(1, impl=_flashmla_sparse())
+    mla.profile(layer, 256)
+    assert dict.fromkeys(allocations.made) == {((64, H, NOPE + V), torch.bfloat16): None}
+    assert mla.patch.reserved_bytes() == {}

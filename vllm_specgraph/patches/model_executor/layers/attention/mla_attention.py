@@ -24,10 +24,24 @@ e_q per query element, fp8 where the query is quantized; LSE in float32):
   its persistent workspace up to its capacity M (``max_num_tokens``) and falls
   back to the all-gather above it; with query replication nothing is gathered;
 - decode kernel outputs over all heads: ``[T, N*H, L]`` (e) and ``[T, N*H]``,
-  over the backend's padded head count where it pads (CUTLASS: 128);
+  over the backend's padded head count where it pads (CUTLASS: 128); on the
+  sparse backends that support DCP, from the gathered query on (K the top-k
+  buffer's width, P the FP8 kernel's head count, 64 or 128; Dq its query width):
+  - ``FLASHMLA_SPARSE``: the DCP index conversion ``[T, K]`` int32, live through
+    the kernel; where N*H < P the query padded to ``[T, P, Dq]`` (bf16, until the
+    kernel returns); the kernel's ``[T, P, L]`` (bf16) and LSE ``[T, P]``, whose
+    sliced view stays live; the empty-row mask ``[T, K]`` bool, dropped at once;
+    where N*H < P the packed output ``[T, N*H, L]`` (e), after which the padded
+    one goes; a NoPE layer's query first padded to ``[T, N*H, Dq]``;
+  - ``FLASHINFER_MLA_SPARSE``: the index conversion ``[T, K]`` and its valid
+    counts ``[T]`` (int32), live through the kernel; outputs unpadded; the
+    empty-row mask ``[T, K]`` bool (not on a NoPE layer);
+  - ``FLASH_ATTN_MLA_SPARSE_FA4``: FlashInfer's path for a batch with prefill
+    tokens, then its LSE rescaled to base e ``[T, N*H]`` float32, replacing it;
 - combine, by the backend vLLM selected (``dcp_comm_backend``):
   - ``ag_rs`` (``cp_lse_ag_out_rs``): the LSE all-gather ``[N*T, N*H]`` with
-    the corrected LSE ``[T, N*H]``; then the reduce-scatter's input copy
+    the corrected LSE ``[T, N*H]`` (after a packed copy ``[T, N*H]`` float32 of
+    ``FLASHMLA_SPARSE``'s transposed LSE); then the reduce-scatter's input copy
     ``[N*H, T, L]``, its output ``[H, T, L]`` and the result ``[T, H, L]`` (e);
   - ``a2a`` over NCCL (``dcp_a2a_lse_reduce``): send and receive buffers
     ``[N, T, H, L + p]`` each (e; p = 2 LSE columns packed into a 16-bit
@@ -41,11 +55,14 @@ decode path with every token of the batch), the DCP workspaces' capacity M
 (``get_dcp_workspace_max_num_tokens``) otherwise.
 
 Not modelled, so not reserved: small per-token vectors (the empty-shard
-mask's indices); what a decode kernel makes inside its own op (FlashMLA's
-split-KV accumulators, FLASHMLA_SPARSE's padded query, output copy and
-``[T, K]`` index conversion, the sparse backends' empty-row masks); prefill
-context parallelism with DCP (the DeepSeek-V3.2 layer's, which gathers over
-the TP group); the sparse indexer's float32 logits upcast under DCP; and the
+mask's indices, a NoPE layer's ``[T]`` length masks); what a kernel makes inside
+its own op (FlashMLA's split-KV accumulators, FlashInfer's and FA4's
+workspaces, DeepGEMM's logits); prefill context parallelism with DCP (the
+DeepSeek-V3.2 layer's, which gathers over the TP group); the sparse indexer's
+decode logits upcast to float32 ``[R, max_model_len]``, which DCP forces but
+vLLM's default top-k selection makes with one rank too, and which vLLM's
+512 MiB logits reservation in the indexer's profiling branch covers up to that
+size; and the
 model-specific MLA layers with their own DCP paths (Kimi K3's, GLM-5-next's
 indexer, which imports vLLM's reservation by value).
 
@@ -200,15 +217,22 @@ def decode_transients(
             make("gathered_query", (t, n * h, lora + rope), query)
             drop("gather_out")
         drop("query")  # the gather's result replaces it
-    make("attn_out", (t, kernel_heads, lora), dtype)
-    make("lse", (t, kernel_heads), torch.float32)
+    kernel = _sparse_kernel(layer.impl)
+    if kernel is None:
+        make("attn_out", (t, kernel_heads, lora), dtype)
+        make("lse", (t, kernel_heads), torch.float32)
+    else:
+        steps += _sparse_kernel_transients(kernel, layer, t, n * h, dtype)
     kind, capacity = _combine_kind(manager)
     if kind == "direct_a2a" and capacity is not None and t > capacity:
         kind = "a2a"
     if kind in ("ag_rs", "ag_ar"):
+        packs_lse = kernel == "flashmla"  # its LSE is a transposed view, copied to gather
+        if packs_lse:
+            make("lse_packed", (t, n * h), torch.float32)
         make("lse_gathered", (n * t, n * h), torch.float32)
         make("lse_corrected", (t, n * h), torch.float32)
-        drop("lse_gathered")
+        drop("lse_gathered", *["lse_packed"] * packs_lse)
         if kind == "ag_rs":
             make("rs_in", (n * h, t, lora), dtype)
             make("rs_out", (h, t, lora), dtype)
@@ -222,6 +246,73 @@ def decode_transients(
         make("combined", (t, h, lora), dtype)
     else:
         make("combined", (t, h, lora), dtype)
+    return steps
+
+
+def _sparse_kernel(impl: Any) -> str | None:
+    """Which of vLLM's sparse MLA decode paths with DCP support ``impl`` takes:
+    ``flashmla``, ``flashinfer``, ``fa4`` (FlashInfer's, then the LSE rescaled),
+    or None for the others (dense MLA; sparse backends without DCP)."""
+    from vllm.v1.attention.backends.mla.flashinfer_mla_sparse import FlashInferMLASparseImpl
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseImpl
+
+    if isinstance(impl, FlashMLASparseImpl):
+        return "flashmla"
+    if isinstance(impl, FlashInferMLASparseImpl):
+        # FA4's module needs vLLM's flash-attention extension to import, so it is
+        # told apart by name rather than imported.
+        names = {cls.__name__ for cls in type(impl).__mro__}
+        return "fa4" if "FlashAttnMLASparseFA4Impl" in names else "flashinfer"
+    return None
+
+
+def _sparse_kernel_transients(
+    kernel: str, layer: Any, t: int, heads: int, dtype: torch.dtype
+) -> list[Step]:
+    """From the gathered query to the kernel's output and LSE (``attn_out``, ``lse``,
+    left live for the combine) on a sparse backend, for ``t`` tokens over ``heads``
+    (every DCP rank's) heads; the index conversion's ``[t, K]`` and the empty-row
+    mask are DCP's own (with one rank the conversion writes persistent buffers)."""
+    impl, lora = layer.impl, layer.kv_lora_rank
+    top_k = impl.topk_indices_buffer.shape[1]
+    steps: list[Step] = []
+
+    def make(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        steps.append(("make", Transient(name, shape, dtype)))
+
+    def drop(*names: str) -> None:
+        steps.extend(("drop", name) for name in names)
+
+    if kernel == "flashmla":
+        padded, width = max(heads, impl.fp8_decode_padded_heads), impl.q_head_size
+        nope = layer.qk_rope_head_dim == 0  # the gathered query is padded to the cache rows
+        if nope:
+            make("query_padded", (t, heads, width), torch.bfloat16)
+        make("topk_physical", (t, top_k), torch.int32)
+        if heads < padded:
+            make("query_heads_padded", (t, padded, width), torch.bfloat16)
+        out = "attn_out_padded" if heads < padded else "attn_out"
+        make(out, (t, padded, lora), torch.bfloat16)
+        make("lse", (t, padded), torch.float32)  # a view of it is returned
+        drop(*["query_heads_padded"] * (heads < padded))
+        make("empty_rows", (t, top_k), torch.bool)
+        drop("empty_rows")
+        if heads < padded:
+            make("attn_out", (t, heads, lora), dtype)  # the packed copy the combine needs
+            drop("attn_out_padded")
+        drop("topk_physical", *["query_padded"] * nope)
+        return steps
+    make("topk_physical", (t, top_k), torch.int32)
+    make("valid_counts", (t,), torch.int32)
+    make("attn_out", (t, heads, lora), dtype)
+    make("lse", (t, heads), torch.float32)
+    if layer.qk_rope_head_dim:  # a NoPE layer masks by sequence length instead
+        make("empty_rows", (t, top_k), torch.bool)
+        drop("empty_rows")
+    if kernel == "fa4":  # a batch with prefill tokens: the LSE rescaled to base e
+        make("lse_base_e", (t, heads), torch.float32)
+        drop("lse")
+    drop("topk_physical", "valid_counts")
     return steps
 
 
