@@ -59,10 +59,12 @@ mask's indices, a NoPE layer's ``[T]`` length masks); what a kernel makes inside
 its own op (FlashMLA's split-KV accumulators, FlashInfer's and FA4's
 workspaces, DeepGEMM's logits); prefill context parallelism with DCP (the
 DeepSeek-V3.2 layer's, which gathers over the TP group); the sparse indexer's
-decode logits upcast to float32 ``[R, max_model_len]``, which DCP forces but
-vLLM's default top-k selection makes with one rank too, and which vLLM's
-512 MiB logits reservation in the indexer's profiling branch covers up to that
-size; and the
+decode logits upcast to float32 ``[R, max_model_len]`` (R at most
+``min(max_num_batched_tokens, max_num_seqs * (1 + speculative tokens))``), live
+through the top-K merge: DCP forces the upcast, but vLLM's default top-k
+selection makes it with one rank too, and vLLM's indexer stands it in with its
+``VLLM_SPARSE_INDEXER_MAX_LOGITS_MB`` reservation (512 MiB), which covers it
+while ``R * max_model_len * 4`` bytes fit (raise that variable beyond); and the
 model-specific MLA layers with their own DCP paths (Kimi K3's, GLM-5-next's
 indexer, which imports vLLM's reservation by value).
 
