@@ -789,6 +789,24 @@ def test_profile_without_graphs_to_capture_returns_zero_as_vllm_does(
     assert votes == [False]
 
 
+def test_profile_with_graphs_off_returns_at_once_as_vllm_does(vllm_env, monkeypatch):
+    """Graphs resolved to none and nothing else to capture: vLLM's own early return,
+    before any minimal KV cache, pass or vote (which would run collectives and log
+    vLLM's "Skipping capture" warning a second time)."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_specgraph.patches.v1.worker.gpu import cudagraph_utils as patch
+
+    votes = []
+    monkeypatch.setattr(patch, "on_any_rank", lambda flag, group: votes.append(flag) or flag)
+    runner = _runner(vllm_env)
+    runner.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+    runner.needs_cudagraph_capture = lambda: False
+    assert vllm_env.cudagraph_utils.profile_cudagraph_memory(runner) == 0
+    assert vllm_env.events == [] and votes == []
+    assert getattr(runner, "specgraph_profile", None) is None
+
+
 @pytest.mark.parametrize(("other_rank_asks", "passes"), [(False, 1), (True, 2)])
 def test_profile_measures_again_on_every_rank_when_any_rank_asks(
     vllm_env, monkeypatch, caplog, other_rank_asks, passes
