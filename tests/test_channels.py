@@ -820,19 +820,37 @@ def test_rollback_device_channel_drops_its_tensors():
     assert buffer() is None and signal() is None  # though the test still holds the channel
 
 
-def test_capture_block_exited_in_another_context_says_so_and_keeps_the_capture_counted():
-    """A block whose exit runs in another context (another thread or task) cannot
-    unbind the channel where it was entered: the error says so, and the capture stays
-    counted, so no rollback closes a channel that context still has bound."""
+@pytest.mark.parametrize("where", ["task", "thread", "out of order"])
+def test_a_capture_block_ends_wherever_and_in_whatever_order_it_exits(where):
+    """A block whose exit runs in another context (another thread or task), or
+    before a block nested in it, still ends: it is no longer counted, so checkpoints
+    and rollbacks go on, and the context that entered it no longer sees its channel."""
     import contextvars
 
     channel_pool, _ = _make_channel_pool()
-    block = channel_pool.capture(owner="target")
-    block.__enter__()
-    with pytest.raises(RuntimeError, match="exit it where it was entered"):
-        contextvars.copy_context().run(block.__exit__, None, None, None)
-    with pytest.raises(RuntimeError, match=r"channel_pool\.capture\(\)"):
-        channel_pool.checkpoint()
+    outer = channel_pool.capture(owner="target")
+    channel = outer.__enter__()
+    inner = channel_pool.capture(owner="target")
+    assert inner.__enter__() is channel, "a nested block reuses the channel"
+    inner.__exit__(None, None, None)
+    if where == "out of order":
+        inner = channel_pool.capture(owner="target")
+        inner.__enter__()
+        outer.__exit__(None, None, None)
+        assert channel_pool.in_capture(), "the nested block is still open"
+        with pytest.raises(RuntimeError, match=r"1 capture block\(s\) are active"):
+            channel_pool.checkpoint()
+        inner.__exit__(None, None, None)
+    elif where == "task":
+        contextvars.copy_context().run(outer.__exit__, None, None, None)
+    else:
+        thread = threading.Thread(target=outer.__exit__, args=(None, None, None))
+        thread.start()
+        thread.join()
+    assert not channel_pool.in_capture()
+    assert channel_pool.current() is not channel, "the eager channel, not the capture's"
+    checkpoint = channel_pool.checkpoint()
+    channel_pool.rollback(checkpoint)
 
 
 def test_channel_creation_in_threads_is_one_at_a_time_with_distinct_ids():

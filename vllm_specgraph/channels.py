@@ -196,15 +196,18 @@ class ChannelPool:
         self._eager: Channel | None = None
         self._next_channel_id = 0
         self._live_tokens: set[int] = set()
-        self._num_active_captures = 0  # across all threads/tasks, unlike the stack below
+        # The capture blocks not yet exited, across all threads and tasks: a context's
+        # stack below binds only the channels of blocks still in this set.
+        self._active_blocks: set[object] = set()
         self._closed = False
         # Channels cut back or closed whose close failed part-way, newest first: still owned
         # (their memory may not be freed) until retry_close() finishes them.
         self._unclosed: list[_Closing] = []
         # Reentrant so a factory that inspects the pool cannot deadlock itself.
         self._lock = threading.RLock()
-        # Per pool and per context: threads and asyncio tasks each see their own captures.
-        self._stack: ContextVar[tuple[Channel, ...]] = ContextVar(
+        # Per pool and per context: threads and asyncio tasks each see their own captures,
+        # as (block, channel) entries.
+        self._stack: ContextVar[tuple[tuple[object, Channel], ...]] = ContextVar(
             f"channel_pool_{self._serial}_stack", default=()
         )
 
@@ -241,37 +244,37 @@ class ChannelPool:
 
         Requires: the current stream is not capturing yet (raises RuntimeError otherwise).
         Guarantees: :meth:`current` returns this channel inside the block, in this thread or
-        task only; the previous binding is restored on exit, also on exceptions.
+        task only; the previous binding is restored on exit, also on exceptions. A block
+        exited in another thread or task, or before a block nested in it, ends all the
+        same: the pool stops counting it, and no context sees its channel bound.
         """
         check_str("owner", owner, "name the capture's owner, e.g. owner='draft'")
-        stack = self._stack.get()
+        block = object()
         # Picking (or creating) the channel and counting the capture are one step: a
         # rollback in another thread either cuts back before the channel exists or sees
         # this capture and refuses, so it can never close the channel handed out here.
         with self._lock:
-            channel = stack[-1] if stack else self._create(owner)
-            self._num_active_captures += 1
-        reset_token = self._stack.set((*stack, channel))
+            bound = self._bound()
+            channel = bound[-1][1] if bound else self._create(owner)
+            self._active_blocks.add(block)
+        self._stack.set((*bound, (block, channel)))
         try:
             yield channel
         finally:
-            try:
-                self._stack.reset(reset_token)
-            except ValueError as error:
-                # Exited in another thread or task: the context that entered still has
-                # the channel bound, so the capture stays counted (a rollback would
-                # close a channel in use); say why instead of a bare context error.
-                raise RuntimeError(
-                    f"ChannelPool {self._name!r}: a capture() block was exited in another "
-                    "thread or task than the one that entered it; exit it where it was "
-                    "entered (the pool counts it as active until then)"
-                ) from error
+            # Exits in any order and from any context (another thread or task) end the
+            # block: it is no longer counted, and no context sees its channel bound.
             with self._lock:
-                self._num_active_captures -= 1
+                self._active_blocks.discard(block)
+            self._stack.set(tuple(e for e in self._stack.get() if e[0] is not block))
+
+    def _bound(self) -> tuple[tuple[object, Channel], ...]:
+        """This context's entries of blocks not yet exited, outermost first."""
+        return tuple(e for e in self._stack.get() if e[0] in self._active_blocks)
 
     def in_capture(self) -> bool:
         """Whether this thread or task is inside a :meth:`capture` block of this pool."""
-        return bool(self._stack.get())
+        with self._lock:
+            return bool(self._bound())
 
     def current(self) -> Channel:
         """Channel of the active capture, else the eager channel (created on first use).
@@ -281,9 +284,10 @@ class ChannelPool:
         when the eager channel exists, since the graph would bake it in and share it with
         eager calls.
         """
-        stack = self._stack.get()
-        if stack:
-            return stack[-1]
+        with self._lock:
+            bound = self._bound()
+        if bound:
+            return bound[-1][1]
         if stream_is_capturing():
             raise RuntimeError(
                 f"ChannelPool {self._name!r}: current() called while the current stream is "
@@ -391,10 +395,10 @@ class ChannelPool:
 
     def _check_idle(self, what: str) -> None:
         self._check_open()
-        if self._num_active_captures:
+        if self._active_blocks:
             raise RuntimeError(
                 f"ChannelPool {self._name!r}: {what} refused while "
-                f"{self._num_active_captures} capture block(s) are active; a captured graph "
+                f"{len(self._active_blocks)} capture block(s) are active; a captured graph "
                 f"may still bind these channels. Call it after leaving every channel_pool.capture()"
             )
 
