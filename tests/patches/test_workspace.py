@@ -109,3 +109,32 @@ def test_manager_keeps_vllms_ubatch_lookup_attributes_and_messages(workspace, mo
         manager.get_persistent_resource("new", object)
     with pytest.raises(AssertionError, match="Workspace is locked but allocation from"):
         manager.get_simultaneous(((4096,), torch.uint8))
+
+
+def test_vllm_debug_workspace_logs_growth_lock_and_unlock_as_vllm_does(workspace, monkeypatch):
+    import logging
+
+    from vllm import envs
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    workspace.logger.addHandler(handler)
+    level = workspace.logger.level
+    workspace.logger.setLevel(logging.INFO)
+    try:
+        manager = workspace.WorkspaceManager(torch.device("cpu"))
+        manager.get_simultaneous(((1024,), torch.uint8))
+        assert records == [], "quiet unless asked"
+        monkeypatch.setattr(envs, "VLLM_DEBUG_WORKSPACE", True)
+        manager.get_simultaneous(((2 << 20,), torch.uint8))
+        manager.lock()
+        manager.unlock()
+    finally:
+        workspace.logger.removeHandler(handler)
+        workspace.logger.setLevel(level)
+    resized, locked, unlocked = records
+    assert resized.startswith("[WORKSPACE DEBUG] Resized workspace from 'test_workspace.py:")
+    assert resized.endswith(": 0.00 MB -> 2.00 MB (ubatch 0, lane 0)")
+    assert locked == "[WORKSPACE DEBUG] Workspace locked. Current sizes: [2.0]"
+    assert unlocked == "[WORKSPACE DEBUG] Workspace unlocked. Current sizes: [2.0]"

@@ -13,7 +13,8 @@ buffer instead of freeing it where a capture took views of it (a graph may
 still read it), and frees it as vLLM does where none did (no graphs, the
 eager warm-up, a lane no capture used yet); growth during a capture is refused
 with an error naming the caller (vLLM warms up each graph eagerly right before
-capturing it, so a correct caller never grows there).
+capturing it, so a correct caller never grows there). ``VLLM_DEBUG_WORKSPACE``
+logs growth, lock and unlock in vLLM's words, through vLLM's logger.
 
 Why: a freed buffer that a captured graph still reads is reused by the next
 allocation, and target replays read foreign data; a buffer grown inside a
@@ -24,20 +25,25 @@ while every later graph of the lane keeps using it.
 from __future__ import annotations
 
 import functools
+import logging
 import operator
+import os
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from types import ModuleType
+from typing import Any
 
 import torch
 
-from vllm_specgraph.lanes import DEFAULT_OWNER_LANES, LaneWorkspace, use_lane
+from vllm_specgraph import lanes
+from vllm_specgraph.lanes import DEFAULT_OWNER_LANES, LaneWorkspace, Owner, use_lane
 from vllm_specgraph.patches._patching import PatchSet
 
 __all__ = ["LaneWorkspaceManager", "install"]
 
 _VLLM_WORKSPACE = "vllm.v1.worker.workspace"
+_MB = 1024 * 1024
 
 
 class LaneWorkspaceManager(LaneWorkspace):
@@ -71,6 +77,34 @@ class LaneWorkspaceManager(LaneWorkspace):
             ),
         )
 
+    def _grow(self, slot: Any, required: int, owner: Owner, lane: int, ubatch: int) -> torch.Tensor:
+        held = 0 if slot.buffer is None else slot.buffer.numel()
+        buffer = super()._grow(slot, required, owner, lane, ubatch)
+        if _debugging():
+            _vllm_logger().info(
+                "[WORKSPACE DEBUG] Resized workspace from '%s': %.2f MB -> "
+                "%.2f MB (ubatch %d, lane %d)",
+                _caller_location(),
+                held / _MB,
+                required / _MB,
+                ubatch,
+                lane,
+            )
+        return buffer
+
+    def lock(self) -> None:
+        super().lock()
+        self._log_sizes("locked")
+
+    def unlock(self) -> None:
+        super().unlock()
+        self._log_sizes("unlocked")
+
+    def _log_sizes(self, what: str) -> None:
+        if _debugging():
+            sizes = [ws.numel() / _MB for ws in self._current_workspaces if ws is not None]
+            _vllm_logger().info("[WORKSPACE DEBUG] Workspace %s. Current sizes: %s", what, sizes)
+
     @property
     def _device(self) -> torch.device:
         # vLLM's init_workspace_manager logs the old manager's device by this name.
@@ -85,6 +119,28 @@ class LaneWorkspaceManager(LaneWorkspace):
             for ubatch in range(self.num_ubatches)
             for lane in range(self.num_lanes)
         ]
+
+
+def _caller_location() -> str:
+    """The first frame outside the workspace's code, as vLLM's debug lines name it."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename in (__file__, lanes.__file__):
+        frame = frame.f_back
+    if frame is None:
+        return "unknown"
+    code = frame.f_code
+    return f"{os.path.basename(code.co_filename)}:{frame.f_lineno}:{code.co_name}"
+
+
+def _debugging() -> bool:
+    """``VLLM_DEBUG_WORKSPACE``, read at each use as vLLM's manager reads it."""
+    from vllm import envs
+
+    return bool(envs.VLLM_DEBUG_WORKSPACE)
+
+
+def _vllm_logger() -> logging.Logger:
+    return sys.modules[_VLLM_WORKSPACE].logger
 
 
 def install(patches: PatchSet, workspace: ModuleType) -> None:
