@@ -229,8 +229,13 @@ class _Slot:
 
 
 def _caller_location() -> str:
+    """The first frame outside this module and outside any workspace's methods
+    (a subclass's included)."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename == __file__:
+    while frame is not None and (
+        frame.f_code.co_filename == __file__
+        or isinstance(frame.f_locals.get("self"), LaneWorkspace)
+    ):
         frame = frame.f_back
     if frame is None:
         return "<unknown>"

@@ -9,6 +9,7 @@ and the TP group's peer all-reduce is one gloo rank with CPU channels.
 from types import SimpleNamespace
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from vllm_specgraph.allreduce import PeerAllReduce
@@ -22,17 +23,19 @@ def v1_runner(install_patch, monkeypatch):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     import vllm.distributed.parallel_state as parallel_state
     import vllm.v1.worker.gpu_model_runner as gpu_model_runner
+    from vllm.config import ParallelConfig
 
     peer = PeerAllReduce(
         dist.group.WORLD, "cpu", create_channel=device_channel_factory(1 << 10, "cpu")
     )
     tp = SimpleNamespace(device_communicator=SimpleNamespace(specgraph_all_reduce=peer))
     monkeypatch.setattr(parallel_state, "_TP", tp)
-    outcome = {"fail": False, "channels_during": None}
+    outcome = {"fail": False, "channels_during": None, "in_capture": lambda: None}
 
     def vllm_profile(self):
         with peer.channel_pool.capture(owner="target"):  # what graph_capture binds
             outcome["channels_during"] = peer.channel_pool.num_channels
+            outcome["in_capture"]()
         if outcome["fail"]:
             raise RuntimeError("profiling capture failed")
         return 7
@@ -40,6 +43,7 @@ def v1_runner(install_patch, monkeypatch):
     monkeypatch.setattr(gpu_model_runner.GPUModelRunner, "profile_cudagraph_memory", vllm_profile)
     install_patch("vllm.v1.worker.gpu_model_runner")
     runner = gpu_model_runner.GPUModelRunner.__new__(gpu_model_runner.GPUModelRunner)
+    runner.parallel_config = ParallelConfig()
     yield SimpleNamespace(runner=runner, pool=peer.channel_pool, outcome=outcome, tp=tp)
     dist.destroy_process_group()
 
@@ -62,3 +66,35 @@ def test_v1_profile_without_the_peer_all_reduce_is_vllms_alone(v1_runner, monkey
     monkeypatch.setattr(v1_runner.tp.device_communicator, "specgraph_all_reduce", None)
     assert v1_runner.runner.profile_cudagraph_memory() == 7
     assert channel_pool.num_channels == 1, "nothing rolled back: the plugin stays out"
+
+
+@pytest.mark.parametrize("dbo", [False, True])
+def test_v1_profile_frees_what_its_captures_made_the_workspace_retire(
+    v1_runner, install_patch, monkeypatch, dbo
+):
+    """A buffer a profiling capture viewed and warm-up then outgrew is retired while
+    that graph lives; vLLM's profile clears its graphs, so it is freed after it,
+    but not with micro-batching, whose graphs outlive the profile."""
+    workspace = install_patch("vllm.v1.worker.workspace")
+    saved = workspace._manager
+    workspace.init_workspace_manager(torch.device("cpu"), None, 1)
+    manager = workspace.current_workspace_manager()
+    capturing = [False]
+    monkeypatch.setattr(manager, "_is_capturing", lambda: capturing[0])
+
+    manager.get_simultaneous(((1024,), torch.uint8))  # warm-up sizes it
+
+    def capture_then_outgrow():
+        capturing[0] = True
+        manager.get_simultaneous(((1024,), torch.uint8))
+        capturing[0] = False
+        manager.get_simultaneous(((4096,), torch.uint8))
+        assert manager._slots[(0, 0)].retired, "the viewed buffer is retired"
+
+    v1_runner.outcome["in_capture"] = capture_then_outgrow
+    v1_runner.runner.parallel_config.enable_dbo = dbo
+    try:
+        v1_runner.runner.profile_cudagraph_memory()
+        assert bool(manager._slots[(0, 0)].retired) is dbo
+    finally:
+        workspace._manager = saved

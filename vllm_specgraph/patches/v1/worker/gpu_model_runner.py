@@ -10,8 +10,10 @@ channel is in them).
 This patch changes: where the plugin's peer all-reduce serves a group (the
 ``cuda_communicator`` patch), the channels those throwaway captures bound are
 rolled back on every rank once the profile returns, also on error: the core's
-channel checkpoint before it, the coordinated rollback after. Elsewhere it
-calls vLLM's profile and nothing else. ``profile_run`` (the memory profile's
+channel checkpoint before it, the coordinated rollback after. Workspace buffers
+those captures made the workspace retire are freed then too, without
+micro-batching (its graphs outlive the profile), as vLLM frees an outgrown
+buffer. ``profile_run`` (the memory profile's
 dummy run) runs marked as such (:mod:`vllm_specgraph.patches._profile_run`), for
 the patches that reserve memory there.
 
@@ -27,7 +29,10 @@ import functools
 from collections.abc import Callable
 from types import ModuleType
 
+import torch
+
 from vllm_specgraph.channels import checkpoint_channel_pools, rollback_channel_pools
+from vllm_specgraph.lanes import LaneWorkspace
 from vllm_specgraph.patches._patching import PatchSet
 from vllm_specgraph.patches._profile_run import wrap_profile_run
 from vllm_specgraph.patches.distributed.parallel_state import group_channel_pools
@@ -39,16 +44,32 @@ def _rolling_back_channels(profile: Callable) -> Callable:
     @functools.wraps(profile)
     def profile_cudagraph_memory(self) -> int:
         channel_pools = group_channel_pools()
-        if not channel_pools:
-            return profile(self)
-        checkpoint = checkpoint_channel_pools(channel_pools)
+        checkpoint = checkpoint_channel_pools(channel_pools) if channel_pools else None
         try:
             return profile(self)
         finally:
             # vLLM's profile cleared its graphs; the rollback synchronises first.
-            rollback_channel_pools(checkpoint)
+            if checkpoint is not None:
+                rollback_channel_pools(checkpoint)
+            if not self.parallel_config.use_ubatching:
+                _release_retired_workspace()
 
     return profile_cudagraph_memory
+
+
+def _release_retired_workspace() -> None:
+    """Free what the profile's captures made the workspace retire: those graphs are
+    gone and no other exists yet (micro-batch graphs outlive the profile, hence
+    not with ubatching)."""
+    from vllm.v1.worker import workspace
+
+    if not workspace.is_workspace_manager_initialized():
+        return
+    manager = workspace.current_workspace_manager()
+    if isinstance(manager, LaneWorkspace):
+        if manager.device.type == "cuda":
+            torch.cuda.synchronize(manager.device)
+        manager.release_retired()
 
 
 def install(patches: PatchSet, gpu_model_runner: ModuleType) -> None:

@@ -124,7 +124,10 @@ class LaneWorkspaceManager(LaneWorkspace):
 def _caller_location() -> str:
     """The first frame outside the workspace's code, as vLLM's debug lines name it."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename in (__file__, lanes.__file__):
+    while frame is not None and (
+        frame.f_code.co_filename in (__file__, lanes.__file__)
+        or isinstance(frame.f_locals.get("self"), LaneWorkspace)
+    ):
         frame = frame.f_back
     if frame is None:
         return "unknown"
