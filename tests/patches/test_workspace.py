@@ -69,7 +69,8 @@ def test_lock_workspace_then_growth_raises_assertion_like_vllm(workspace):
     workspace.lock_workspace()
     assert workspace.current_workspace_manager().is_locked()
     # Named by the caller's place, past the manager's own frames (its subclass's too).
-    with pytest.raises(AssertionError, match="locked but allocation from '[^']*test_workspace.py"):
+    caller = r"locked but allocation from '[^']*test_workspace\.py"
+    with pytest.raises(AssertionError, match=caller):
         workspace.current_workspace_manager().get_simultaneous(((1024,), torch.float32))
 
 
