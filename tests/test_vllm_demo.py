@@ -136,7 +136,7 @@ def test_format_report_sets_the_plugin_next_to_vllm_alone():
     assert lines[1].split() == ["vLLM", "alone", "with", "vllm-specgraph"]
     assert "41.0 MiB   36.0 MiB" in text
     assert "36.0 MiB: target 36.0, draft 0.0" in text
-    assert "one-time; left after" in text and "4.0 MiB; 0.0 MiB" in text
+    assert "one-time; retained" in text and "4.0 MiB; 0.0 MiB" in text
     assert "+27.0 MiB   +0.0 MiB" in text
     assert "4,842,384   4,842,384" in text and "38.4 s   12.2 s" in text
     assert "3.10 s / 1.10 s" in text

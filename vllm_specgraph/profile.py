@@ -124,8 +124,8 @@ class GraphMemoryReport:
 
     Attributes:
         owners: each owner's graphs, as production will take them.
-        one_time_bytes: what the first pass left with the process, state that
-            production will not take again (kernel code loaded on first launch);
+        one_time_bytes: what the first pass left taken that production will not
+            take again (kernel code loaded on first launch);
             from :func:`profile_graph_memory`, also what the eager warm-up took.
         transient_peak_bytes: the allocator's reserved peak during the last
             pass, above its reserved bytes when the profile began.
@@ -168,7 +168,7 @@ class GraphMemoryReport:
         )
         rows.append(
             f"one-time process cost {self.one_time_bytes / _MIB:.2f} MiB, transient peak "
-            f"{self.transient_peak_bytes / _MIB:.2f} MiB, retained after teardown "
+            f"{self.transient_peak_bytes / _MIB:.2f} MiB, retained "
             f"{self.retained_bytes / _MIB:.2f} MiB (allocator "
             f"{self.retained_allocator_bytes / _MIB:.2f} MiB), {self.wall_seconds:.2f} s"
         )
@@ -325,7 +325,7 @@ def measure_graph_memory(
         if one_pass:
             owners = tuple(replace(o, driver_bytes=o.allocator_bytes) for o in first.owners)
             log(
-                f"the profiling pass left {left / _MIB:.1f} MiB with the process: "
+                f"the profiling pass left {left / _MIB:.1f} MiB taken, all one-time: "
                 f"{outside_allocator / _MIB:.1f} MiB outside the allocator and "
                 f"{in_allocator / _MIB:.1f} MiB of blocks made before capturing; its "
                 f"allocator bytes are the graphs: {describe_owners(owners)}"
@@ -339,7 +339,7 @@ def measure_graph_memory(
         for_another_rank = " (another rank's pass asks for a second)" if one_pass else ""
         log(
             f"the first profiling pass took {describe_owners(first.owners)} and left "
-            f"{one_time / _MIB:.1f} MiB with the process"
+            f"{one_time / _MIB:.1f} MiB taken"
             f"{for_another_rank}; "
             "measuring again with that state in place"
         )

@@ -852,7 +852,7 @@ def test_profile_first_frees_what_earlier_growth_retired(vllm_env, monkeypatch):
 
 
 def test_profile_measures_again_when_what_the_pass_left_is_not_all_accounted_for(vllm_env):
-    """Left with the process: 4 MiB the owners took outside the allocator, and 8 MiB
+    """Left taken, one-time: 4 MiB the owners took outside the allocator, and 8 MiB
     that no owner and no allocator block explains. One pass is exact only within
     1 MiB of the account, so the profile measures again."""
     env = vllm_env

@@ -230,7 +230,7 @@ def format_report(on: dict[str, Any], off: dict[str, Any] | None = None) -> str:
         ),
         row("  the plugin's graph estimate, per owner", "", _mib(graphs) + _owners(owners)),
         row(
-            "  kept by the process: one-time; left after",
+            "  the profile left taken: one-time; retained",
             "",
             f"{_mib(estimate.get('one_time_bytes'))}; {_mib(estimate.get('retained_bytes'))}",
         ),

@@ -422,7 +422,7 @@ def _profile_cudagraph_memory(upstream: Callable[[Any], int]) -> Callable[[Any],
         ]
         logger.info(
             "vllm-specgraph: CUDA graph memory profile: %s; graphs %.1f MiB in %d graphs; "
-            "kept by the process since: one-time %.2f MiB, left by the last pass %.2f MiB; "
+            "left taken: one-time %.2f MiB, retained %.2f MiB; "
             "budget %.1f MiB%s; %d %s, expandable segments %s; %.2f s (%s)",
             describe_owners(report.owners),
             report.total_driver_bytes / _MIB,

@@ -199,7 +199,7 @@ def _log_estimate_vs_actual(outcome: SpecgraphCapture) -> None:
     ]
     logger.info(
         "vllm-specgraph: CUDA graph memory, estimate vs actual: %s; graphs %.1f vs %.1f MiB "
-        "(%+.2f%%); the budget also held %.1f MiB kept by the process since the profile%s; "
+        "(%+.2f%%); the budget also held %.1f MiB the profile left taken (one-time, retained)%s; "
         "production capture %.2f s, profile %.2f s (%.2fx)%s",
         ", ".join(parts),
         total_estimate / _MIB,
