@@ -768,3 +768,21 @@ def test_release_retired_counts_what_a_dropped_checkpoint_held_and_skips_a_held_
     ws.get_simultaneous(((4096,), torch.float32))  # retired first...
     kept = ws.checkpoint()  # ...then held by a checkpoint, among its retired buffers
     assert ws.release_retired() == 0 and kept is not None
+
+
+def test_forget_graphs_frees_the_retired_and_lets_the_next_growth_free():
+    """Once every graph is gone, no buffer is viewed: what was retired goes, and a
+    buffer a gone graph viewed is freed when outgrown, as vLLM's manager frees it."""
+    capturing = [False]
+    workspace = LaneWorkspace("cpu", is_capturing=lambda: capturing[0])
+    workspace.get_simultaneous(((1024,), torch.uint8))
+    capturing[0] = True
+    workspace.get_simultaneous(((1024,), torch.uint8))  # a graph takes views of it
+    capturing[0] = False
+    workspace.get_simultaneous(((2048,), torch.uint8))
+    capturing[0] = True
+    workspace.get_simultaneous(((2048,), torch.uint8))
+    capturing[0] = False
+    assert workspace.forget_graphs() > 0
+    workspace.get_simultaneous(((4096,), torch.uint8))
+    assert workspace.release_retired() == 0, "the outgrown buffer was freed, not retired"

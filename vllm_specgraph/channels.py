@@ -20,6 +20,7 @@ This module depends on torch only and never imports vLLM.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -31,6 +32,8 @@ import torch
 
 from vllm_specgraph._checks import check_callable, check_instance, check_items, check_str
 from vllm_specgraph.device_channel import DeviceChannel, device_channel_factory
+
+_logger = logging.getLogger("vllm.specgraph")
 
 __all__ = [
     "Channel",
@@ -265,7 +268,15 @@ class ChannelPool:
             # block: it is no longer counted, and no context sees its channel bound.
             with self._lock:
                 self._active_blocks.discard(block)
-            self._stack.set(tuple(e for e in self._stack.get() if e[0] is not block))
+            entries = self._stack.get()
+            if all(entry is not block for entry, _ in entries):
+                _logger.warning(
+                    "ChannelPool %r: a capture() block was exited in another thread or task "
+                    "than the one that entered it; it has ended, so a rollback may now close "
+                    "its channel even if a graph is still being captured there",
+                    self._name,
+                )
+            self._stack.set(tuple(e for e in entries if e[0] is not block))
 
     def _bound(self) -> tuple[tuple[object, Channel], ...]:
         """This context's entries of blocks not yet exited, outermost first."""
@@ -284,10 +295,11 @@ class ChannelPool:
         when the eager channel exists, since the graph would bake it in and share it with
         eager calls.
         """
-        with self._lock:
-            bound = self._bound()
-        if bound:
-            return bound[-1][1]
+        if self._stack.get():  # eager calls, the common case, skip the lock here
+            with self._lock:
+                bound = self._bound()
+            if bound:
+                return bound[-1][1]
         if stream_is_capturing():
             raise RuntimeError(
                 f"ChannelPool {self._name!r}: current() called while the current stream is "

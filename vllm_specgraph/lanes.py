@@ -36,6 +36,7 @@ import contextvars
 import itertools
 import numbers
 import operator
+import os
 import sys
 import threading
 import weakref
@@ -228,9 +229,10 @@ class _Slot:
         )
 
 
-def _caller_location() -> str:
-    """The first frame outside this module and outside any workspace's methods
-    (a subclass's included)."""
+def caller_location() -> str:
+    """Where the workspace was asked, as vLLM's manager names it (``file:line:function``):
+    the first frame outside this module and outside any workspace's methods (a
+    subclass's included)."""
     frame = sys._getframe(1)
     while frame is not None and (
         frame.f_code.co_filename == __file__
@@ -238,8 +240,9 @@ def _caller_location() -> str:
     ):
         frame = frame.f_back
     if frame is None:
-        return "<unknown>"
-    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+        return "unknown"
+    code = frame.f_code
+    return f"{os.path.basename(code.co_filename)}:{frame.f_lineno}:{code.co_name}"
 
 
 class LaneWorkspace:
@@ -428,7 +431,7 @@ class LaneWorkspace:
             # Worded as vLLM's WorkspaceManager words it, so that what matches
             # its message matches this one.
             raise WorkspaceLockedError(
-                f"Workspace is {refusal} but allocation from '{_caller_location()}' requires "
+                f"Workspace is {refusal} but allocation from '{caller_location()}' requires "
                 f"{required / _MB:.2f} MB, current size is {held / _MB:.2f} MB. Workspace "
                 f"growth is not allowed {_REFUSED_WHILE[refusal]} (owner={owner!r}, "
                 f"lane={lane}, ubatch={ubatch}, {required} bytes asked, {held} held); "
@@ -483,7 +486,7 @@ class LaneWorkspace:
         if refusal:
             raise WorkspaceLockedError(
                 f"Workspace is {refusal} but {key!r} was not allocated during warmup for "
-                f"the current ubatch and lane ({_caller_location()} asks for it; "
+                f"the current ubatch and lane ({caller_location()} asks for it; "
                 f"owner={owner!r}, lane={lane}, ubatch={ubatch}, "
                 f"held={self._held_bytes(lane)} bytes); create it during warm-up, "
                 "before capture and lock()"
@@ -583,6 +586,19 @@ class LaneWorkspace:
         for slot in self._slots.values():
             released += sum(_allocation_bytes(t) for t in slot.retired if id(t) not in held)
             slot.retired.clear()
+        return released
+
+    def forget_graphs(self) -> int:
+        """No CUDA graph is left: let go of every retired buffer (as
+        :meth:`release_retired`) and count no current buffer as viewed, so the next
+        growth frees it as vLLM's manager does. Returns the bytes released.
+
+        *Requires*: every CUDA graph that took views of this workspace is destroyed
+        and its work synchronised. Not legal during capture.
+        """
+        released = self.release_retired()
+        for slot in self._slots.values():
+            slot.captured = False
         return released
 
     def usage(self) -> dict[str, OwnerBytes]:

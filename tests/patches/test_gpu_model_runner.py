@@ -69,32 +69,38 @@ def test_v1_profile_without_the_peer_all_reduce_is_vllms_alone(v1_runner, monkey
 
 
 @pytest.mark.parametrize("dbo", [False, True])
-def test_v1_profile_frees_what_its_captures_made_the_workspace_retire(
+def test_v1_profile_leaves_no_buffer_kept_for_its_graphs(
     v1_runner, install_patch, monkeypatch, dbo
 ):
-    """A buffer a profiling capture viewed and warm-up then outgrew is retired while
-    that graph lives; vLLM's profile clears its graphs, so it is freed after it,
-    but not with micro-batching, whose graphs outlive the profile."""
+    """A buffer a profiling capture viewed is kept when outgrown while that graph
+    lives; vLLM's profile clears its graphs, so after it the buffer is freed on
+    growth as vLLM frees it, and what was retired goes; not with micro-batching,
+    whose graphs outlive the profile, nor after a profile that failed."""
     workspace = install_patch("vllm.v1.worker.workspace")
     saved = workspace._manager
     workspace.init_workspace_manager(torch.device("cpu"), None, 1)
     manager = workspace.current_workspace_manager()
     capturing = [False]
     monkeypatch.setattr(manager, "_is_capturing", lambda: capturing[0])
-
     manager.get_simultaneous(((1024,), torch.uint8))  # warm-up sizes it
 
-    def capture_then_outgrow():
+    def capture():
         capturing[0] = True
-        manager.get_simultaneous(((1024,), torch.uint8))
+        manager.get_simultaneous(((1024,), torch.uint8))  # the graph views it
         capturing[0] = False
-        manager.get_simultaneous(((4096,), torch.uint8))
-        assert manager._slots[(0, 0)].retired, "the viewed buffer is retired"
 
-    v1_runner.outcome["in_capture"] = capture_then_outgrow
+    v1_runner.outcome["in_capture"] = capture
     v1_runner.runner.parallel_config.enable_dbo = dbo
+    slot = manager._slots[(0, 0)]
     try:
+        slot.retired.append(torch.empty(1))  # an earlier graph's, gone with the profile
         v1_runner.runner.profile_cudagraph_memory()
-        assert bool(manager._slots[(0, 0)].retired) is dbo
+        manager.get_simultaneous(((8192,), torch.uint8))  # warm-up after the profile
+        assert len(slot.retired) == (2 if dbo else 0)
+        v1_runner.outcome["fail"] = True
+        with pytest.raises(RuntimeError, match="profiling capture failed"):
+            v1_runner.runner.profile_cudagraph_memory()
+        manager.get_simultaneous(((16384,), torch.uint8))
+        assert slot.retired, "a failed profile forgets no graph"
     finally:
         workspace._manager = saved

@@ -315,12 +315,12 @@ def test_padded_heads_and_prefill_context_parallelism(mla):
 K = 16  # the top-k buffer's width
 
 
-def _sparse_impl(cls, **attributes):
+def _sparse_impl(cls, top_k=K, **attributes):
     """A vLLM sparse MLA impl without its ``__init__``, which needs a GPU (the
     attributes it sets that the decode path reads are given)."""
     impl = cls.__new__(cls)
     impl.__dict__.update(reserve_workspace=lambda: None, **attributes)
-    impl.init_topk_indices_buffer(None, torch.zeros(8, K, dtype=torch.int32))
+    impl.init_topk_indices_buffer(None, torch.zeros(8, top_k, dtype=torch.int32))
     return impl
 
 
@@ -359,16 +359,19 @@ def test_flashmla_sparse_with_every_kernel_head_gathered_copies_nothing(mla):
 def test_flashinfer_sparse_converts_indices_and_masks_empty_rows(mla, allocations):
     from vllm.v1.attention.backends.mla.flashinfer_mla_sparse import FlashInferMLASparseImpl
 
-    layer = mla.layer(2, impl=_sparse_impl(FlashInferMLASparseImpl))
+    k = 256  # wide enough that the index conversion's moment is the peak
+    layer = mla.layer(2, impl=_sparse_impl(FlashInferMLASparseImpl, top_k=k))
     t = 2 * layer.dcp_manager.max_num_tokens
     mla.profile(layer, t)
     made = dict.fromkeys(allocations.made)
-    assert ((t, K), torch.int32) in made and ((t,), torch.int32) in made
-    assert ((t, K), torch.bool) in made, "the empty-row mask"
+    assert ((t, k), torch.int32) in made and ((t,), torch.int32) in made
+    assert ((t, k), torch.bool) in made, "the empty-row mask"
     assert ((t, 2 * H, L), torch.bfloat16) in made, "no head padding"
     assert not any(shape[1:2] == (64,) for shape, _ in made)
-    steps = mla.patch.decode_transients(layer, t, torch.bfloat16)
-    assert mla.patch.reserved_bytes() == {"target": mla.patch.peak_bytes(steps)}
+    # Absorbed and gathered query, conversion and counts, outputs and LSE, the mask.
+    peak = t * (BF16 * H * L + BF16 * 2 * H * D + 5 * k + 4 + BF16 * 2 * H * L + F32 * 2 * H)
+    assert mla.patch.reserved_bytes() == {"target": peak}
+    assert allocations.peak == peak
 
 
 def test_fa4_sparse_rescales_the_lse_of_a_batch_with_prefill_tokens(mla):
@@ -391,3 +394,17 @@ def test_sparse_backends_reserve_nothing_with_one_dcp_rank(mla, allocations):
     mla.profile(layer, 256)
     assert dict.fromkeys(allocations.made) == {((64, H, NOPE + V), torch.bfloat16): None}
     assert mla.patch.reserved_bytes() == {}
+
+
+def test_flashmla_sparse_pads_a_query_narrower_than_the_cache_rows(mla):
+    """A NoPE layer on fp8_ds_mla reads 576-wide rows: its gathered query is padded."""
+    layer = mla.layer(2, impl=_flashmla_sparse())
+    layer.impl.q_head_size = D + 24
+    t = layer.dcp_manager.max_num_tokens
+    shapes = {
+        s[1].name: s[1].shape
+        for s in mla.patch.decode_transients(layer, t, torch.bfloat16)
+        if s[0] == "make"
+    }
+    assert shapes["query_padded"] == (t, 2 * H, D + 24)
+    assert shapes["query_heads_padded"] == (t, 64, D + 24)

@@ -60,7 +60,7 @@ def _then_release_retired(release_cuda_graphs: Callable) -> Callable:
                         alive,
                     )
                 else:
-                    workspace.release_retired()
+                    workspace.forget_graphs()
 
     return _release_cuda_graphs
 

@@ -46,21 +46,22 @@ def _rolling_back_channels(profile: Callable) -> Callable:
         channel_pools = group_channel_pools()
         checkpoint = checkpoint_channel_pools(channel_pools) if channel_pools else None
         try:
-            return profile(self)
+            estimate = profile(self)
         finally:
             # vLLM's profile cleared its graphs; the rollback synchronises first.
             if checkpoint is not None:
                 rollback_channel_pools(checkpoint)
-            if not self.parallel_config.use_ubatching:
-                _release_retired_workspace()
+        if not self.parallel_config.use_ubatching:
+            _forget_workspace_graphs()
+        return estimate
 
     return profile_cudagraph_memory
 
 
-def _release_retired_workspace() -> None:
-    """Free what the profile's captures made the workspace retire: those graphs are
-    gone and no other exists yet (micro-batch graphs outlive the profile, hence
-    not with ubatching)."""
+def _forget_workspace_graphs() -> None:
+    """The profile's graphs are gone and no other exists yet (micro-batch graphs
+    outlive the profile, hence not with ubatching): the workspace frees what they
+    made it retire, and frees its current buffers on growth again, as vLLM does."""
     from vllm.v1.worker import workspace
 
     if not workspace.is_workspace_manager_initialized():
@@ -69,7 +70,7 @@ def _release_retired_workspace() -> None:
     if isinstance(manager, LaneWorkspace):
         if manager.device.type == "cuda":
             torch.cuda.synchronize(manager.device)
-        manager.release_retired()
+        manager.forget_graphs()
 
 
 def install(patches: PatchSet, gpu_model_runner: ModuleType) -> None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import logging
 import operator
-import os
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -36,8 +35,13 @@ from typing import Any
 
 import torch
 
-from vllm_specgraph import lanes
-from vllm_specgraph.lanes import DEFAULT_OWNER_LANES, LaneWorkspace, Owner, use_lane
+from vllm_specgraph.lanes import (
+    DEFAULT_OWNER_LANES,
+    LaneWorkspace,
+    Owner,
+    caller_location,
+    use_lane,
+)
 from vllm_specgraph.patches._patching import PatchSet
 
 __all__ = ["LaneWorkspaceManager", "install"]
@@ -84,7 +88,7 @@ class LaneWorkspaceManager(LaneWorkspace):
             _vllm_logger().info(
                 "[WORKSPACE DEBUG] Resized workspace from '%s': %.2f MB -> "
                 "%.2f MB (ubatch %d, lane %d)",
-                _caller_location(),
+                caller_location(),
                 held / _MB,
                 required / _MB,
                 ubatch,
@@ -119,20 +123,6 @@ class LaneWorkspaceManager(LaneWorkspace):
             for ubatch in range(self.num_ubatches)
             for lane in range(self.num_lanes)
         ]
-
-
-def _caller_location() -> str:
-    """The first frame outside the workspace's code, as vLLM's debug lines name it."""
-    frame = sys._getframe(1)
-    while frame is not None and (
-        frame.f_code.co_filename in (__file__, lanes.__file__)
-        or isinstance(frame.f_locals.get("self"), LaneWorkspace)
-    ):
-        frame = frame.f_back
-    if frame is None:
-        return "unknown"
-    code = frame.f_code
-    return f"{os.path.basename(code.co_filename)}:{frame.f_lineno}:{code.co_name}"
 
 
 def _debugging() -> bool:

@@ -32,7 +32,8 @@ e_q per query element, fp8 where the query is quantized; LSE in float32):
     kernel returns); the kernel's ``[T, P, L]`` (bf16) and LSE ``[T, P]``, whose
     sliced view stays live; the empty-row mask ``[T, K]`` bool, dropped at once;
     where N*H < P the packed output ``[T, N*H, L]`` (e), after which the padded
-    one goes; a NoPE layer's query first padded to ``[T, N*H, Dq]``;
+    one goes; a query narrower than Dq (a NoPE layer on ``fp8_ds_mla``) first
+    padded to ``[T, N*H, Dq]``;
   - ``FLASHINFER_MLA_SPARSE``: the index conversion ``[T, K]`` and its valid
     counts ``[T]`` (int32), live through the kernel; outputs unpadded; the
     empty-row mask ``[T, K]`` bool (not on a NoPE layer);
@@ -255,6 +256,8 @@ def _sparse_kernel(impl: Any) -> str | None:
     """Which of vLLM's sparse MLA decode paths with DCP support ``impl`` takes:
     ``flashmla``, ``flashinfer``, ``fa4`` (FlashInfer's, then the LSE rescaled),
     or None for the others (dense MLA; sparse backends without DCP)."""
+    if not getattr(impl, "is_sparse", False):
+        return None
     from vllm.v1.attention.backends.mla.flashinfer_mla_sparse import FlashInferMLASparseImpl
     from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseImpl
 
@@ -287,7 +290,8 @@ def _sparse_kernel_transients(
 
     if kernel == "flashmla":
         padded, width = max(heads, impl.fp8_decode_padded_heads), impl.q_head_size
-        nope = layer.qk_rope_head_dim == 0  # the gathered query is padded to the cache rows
+        # A NoPE layer on fp8_ds_mla gathers a query narrower than the cache rows.
+        nope = lora + layer.qk_rope_head_dim < width
         if nope:
             make("query_padded", (t, heads, width), torch.bfloat16)
         make("topk_physical", (t, top_k), torch.int32)
