@@ -57,8 +57,9 @@ decode path with every token of the batch), the DCP workspaces' capacity M
 
 Not modelled, so not reserved: small per-token vectors (the empty-shard
 mask's indices, a NoPE layer's ``[T]`` length masks); what a kernel makes inside
-its own op (FlashMLA's split-KV accumulators, FlashInfer's and FA4's
-workspaces, DeepGEMM's logits); prefill context parallelism with DCP (the
+its own op or library (FlashMLA's split-KV accumulators, FlashInfer's and FA4's
+workspaces, the split-KV partials FlashAttention's FA4 interface makes for an
+all-decode batch, DeepGEMM's logits); prefill context parallelism with DCP (the
 DeepSeek-V3.2 layer's, which gathers over the TP group); the sparse indexer's
 decode logits upcast to float32 ``[R, max_model_len]`` (R at most
 ``min(max_num_batched_tokens, max_num_seqs * (1 + speculative tokens))``), live
