@@ -13,9 +13,9 @@ def readings(monkeypatch):
     """Free bytes, reserved bytes and graph-pool segment bytes a test moves by hand."""
     state = {"free": 1000 * MIB, "reserved": 0, "graph_pool": 0, "graphs": 0}
     fakes = {
-        "synchronize": lambda: None,
+        "synchronize": lambda device=None: None,
         "empty_cache": lambda: None,
-        "mem_get_info": lambda: (state["free"], 2000 * MIB),
+        "mem_get_info": lambda device=None: (state["free"], 2000 * MIB),
         "memory_reserved": lambda: state["reserved"],
         "current_device": lambda: 0,
         "memory_snapshot": lambda: [

@@ -73,9 +73,9 @@ def cuda(monkeypatch):
     for name, fn in {
         "is_available": lambda: True,
         "is_current_stream_capturing": lambda: False,
-        "synchronize": lambda: events.append(("sync",)),
+        "synchronize": lambda device=None: events.append(("sync",)),
         "empty_cache": empty_cache,
-        "mem_get_info": lambda: (state["free"], 2000 << 20),
+        "mem_get_info": lambda device=None: (state["free"], 2000 << 20),
         "memory_reserved": lambda: 0,  # allocator level is checked on the GPU
         "max_memory_reserved": lambda: 0,
         "reset_peak_memory_stats": lambda: None,

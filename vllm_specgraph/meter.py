@@ -53,16 +53,17 @@ def describe_owners(owners: tuple[OwnerMemory, ...]) -> str:
     )
 
 
-def settled_free_bytes() -> int:
-    """Driver-level free bytes once nothing cached or in flight distorts the reading.
+def settled_free_bytes(device: torch.device | None = None) -> int:
+    """Driver-level free bytes of ``device`` (the current one by default) once nothing
+    cached or in flight distorts the reading.
 
     Collects garbage, synchronises and empties the allocator cache first.
     Not legal during capture.
     """
     gc.collect()
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    return torch.cuda.mem_get_info()[0]
+    return torch.cuda.mem_get_info(device)[0]
 
 
 def allocator_segments() -> list[dict[str, Any]]:

@@ -24,7 +24,6 @@ is sized, and the exact profile runs instead.
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -34,7 +33,7 @@ from typing import Any
 
 import torch
 
-from vllm_specgraph.meter import OwnerMemory, describe_owners
+from vllm_specgraph.meter import OwnerMemory, describe_owners, settled_free_bytes
 from vllm_specgraph.reserve import BlockBacking, ReservedRange, StridedPlacement
 
 __all__ = [
@@ -135,14 +134,7 @@ def plan_capture_once(runner: Any) -> None:
     besides the KV pages is counted against.
     """
     global _plan
-    _plan = _Plan(runner, _settled_free(runner.device))
-
-
-def _settled_free(device: torch.device) -> int:
-    gc.collect()
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    return torch.cuda.mem_get_info(device)[0]
+    _plan = _Plan(runner, settled_free_bytes(runner.device))
 
 
 def planned_runner() -> Any:
@@ -273,7 +265,7 @@ def back_within_budget(worker: Any) -> CaptureOnceOutcome | None:
         return None
     started = time.perf_counter()
     backing = plan.backing
-    free_now = _settled_free(backing.reserved.device)
+    free_now = settled_free_bytes(backing.reserved.device)
     taken = plan.free_before - free_now - backing.reserved.mapped_bytes
     kv_budget = int(worker.available_kv_cache_memory_bytes)
     budget = kv_budget - taken
