@@ -27,8 +27,8 @@ from types import ModuleType
 
 import torch
 
-from vllm_specgraph.lanes import LaneWorkspace
 from vllm_specgraph.patches._patching import PatchSet
+from vllm_specgraph.patches.v1.worker.workspace import plugin_workspace
 
 __all__ = ["install"]
 
@@ -43,24 +43,18 @@ def _graphs_alive() -> int:
 def _then_release_retired(release_cuda_graphs: Callable) -> Callable:
     @functools.wraps(release_cuda_graphs)
     def _release_cuda_graphs(self) -> None:
-        from vllm.v1.worker.workspace import (
-            current_workspace_manager,
-            is_workspace_manager_initialized,
-        )
-
         release_cuda_graphs(self)
-        if is_workspace_manager_initialized():
-            workspace = current_workspace_manager()
-            if isinstance(workspace, LaneWorkspace):
-                alive = _graphs_alive()  # a scale event is rare: a heap scan is cheap here
-                if alive:
-                    logger.info(
-                        "vllm-specgraph: %d CUDA graphs outlived elastic EP's release; the "
-                        "workspace keeps the buffers it retired, which they may read",
-                        alive,
-                    )
-                else:
-                    workspace.forget_graphs()
+        workspace = plugin_workspace()
+        if workspace is not None:
+            alive = _graphs_alive()  # a scale event is rare: a heap scan is cheap here
+            if alive:
+                logger.info(
+                    "vllm-specgraph: %d CUDA graphs outlived elastic EP's release; the "
+                    "workspace keeps the buffers it retired, which they may read",
+                    alive,
+                )
+            else:
+                workspace.forget_graphs()
 
     return _release_cuda_graphs
 

@@ -32,10 +32,10 @@ from types import ModuleType
 import torch
 
 from vllm_specgraph.channels import checkpoint_channel_pools, rollback_channel_pools
-from vllm_specgraph.lanes import LaneWorkspace
 from vllm_specgraph.patches._patching import PatchSet
 from vllm_specgraph.patches._profile_run import wrap_profile_run
 from vllm_specgraph.patches.distributed.parallel_state import group_channel_pools
+from vllm_specgraph.patches.v1.worker.workspace import plugin_workspace
 
 __all__ = ["install"]
 
@@ -62,12 +62,8 @@ def _forget_workspace_graphs() -> None:
     """The profile's graphs are gone and no other exists yet (micro-batch graphs
     outlive the profile, hence not with ubatching): the workspace frees what they
     made it retire, and frees its current buffers on growth again, as vLLM does."""
-    from vllm.v1.worker import workspace
-
-    if not workspace.is_workspace_manager_initialized():
-        return
-    manager = workspace.current_workspace_manager()
-    if isinstance(manager, LaneWorkspace):
+    manager = plugin_workspace()
+    if manager is not None:
         if manager.device.type == "cuda":
             torch.cuda.synchronize(manager.device)
         manager.forget_graphs()

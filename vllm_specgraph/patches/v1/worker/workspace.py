@@ -44,7 +44,7 @@ from vllm_specgraph.lanes import (
 )
 from vllm_specgraph.patches._patching import PatchSet
 
-__all__ = ["LaneWorkspaceManager", "install"]
+__all__ = ["LaneWorkspaceManager", "install", "plugin_workspace"]
 
 _VLLM_WORKSPACE = "vllm.v1.worker.workspace"
 _MB = 1024 * 1024
@@ -123,6 +123,16 @@ class LaneWorkspaceManager(LaneWorkspace):
             for ubatch in range(self.num_ubatches)
             for lane in range(self.num_lanes)
         ]
+
+
+def plugin_workspace() -> LaneWorkspace | None:
+    """vLLM's current workspace manager where one exists and it is the plugin's."""
+    from vllm.v1.worker import workspace
+
+    if not workspace.is_workspace_manager_initialized():
+        return None
+    manager = workspace.current_workspace_manager()
+    return manager if isinstance(manager, LaneWorkspace) else None
 
 
 def _debugging() -> bool:
