@@ -226,7 +226,7 @@ def decode_transients(
         make("attn_out", (t, kernel_heads, lora), dtype)
         make("lse", (t, kernel_heads), torch.float32)
     else:
-        steps += _sparse_kernel_transients(kernel, layer, t, n * h, dtype)
+        _sparse_kernel_transients(kernel, layer, t, n * h, dtype, make, drop)
     kind, capacity = _combine_kind(manager)
     if kind == "direct_a2a" and capacity is not None and t > capacity:
         kind = "a2a"
@@ -273,22 +273,21 @@ def _sparse_kernel(impl: Any) -> str | None:
 
 
 def _sparse_kernel_transients(
-    kernel: str, layer: Any, t: int, heads: int, dtype: torch.dtype
-) -> list[Step]:
+    kernel: str,
+    layer: Any,
+    t: int,
+    heads: int,
+    dtype: torch.dtype,
+    make: Callable[[str, tuple[int, ...], torch.dtype], None],
+    drop: Callable[..., None],
+) -> None:
     """From the gathered query to the kernel's output and LSE (``attn_out``, ``lse``,
     left live for the combine) on a sparse backend, for ``t`` tokens over ``heads``
-    (every DCP rank's) heads; the index conversion's ``[t, K]`` and the empty-row
-    mask are DCP's own (with one rank the conversion writes persistent buffers)."""
+    (every DCP rank's) heads, through :func:`decode_transients`' ``make`` and
+    ``drop``; the index conversion's ``[t, K]`` and the empty-row mask are DCP's own
+    (with one rank the conversion writes persistent buffers)."""
     impl, lora = layer.impl, layer.kv_lora_rank
     top_k = impl.topk_indices_buffer.shape[1]
-    steps: list[Step] = []
-
-    def make(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        steps.append(("make", Transient(name, shape, dtype)))
-
-    def drop(*names: str) -> None:
-        steps.extend(("drop", name) for name in names)
-
     if kernel == "flashmla":
         padded, width = max(heads, impl.fp8_decode_padded_heads), impl.q_head_size
         # A NoPE layer on fp8_ds_mla gathers a query narrower than the cache rows.
@@ -308,7 +307,7 @@ def _sparse_kernel_transients(
             make("attn_out", (t, heads, lora), dtype)  # the packed copy the combine needs
             drop("attn_out_padded")
         drop("topk_physical", *["query_padded"] * nope)
-        return steps
+        return
     make("topk_physical", (t, top_k), torch.int32)
     make("valid_counts", (t,), torch.int32)
     make("attn_out", (t, heads, lora), dtype)
@@ -320,7 +319,6 @@ def _sparse_kernel_transients(
         make("lse_base_e", (t, heads), torch.float32)
         drop("lse")
     drop("topk_physical", "valid_counts")
-    return steps
 
 
 def reserve(steps: Sequence[Step], device: torch.device, what: str) -> int:
