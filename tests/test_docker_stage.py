@@ -17,7 +17,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE_TREE_TESTS = (
-    "tests/test_vllm_e2e_harness.py",
+    "tests/test_e2e_run_llm.py",
+    "tests/test_e2e_summarize.py",
+    "tests/test_e2e_device.py",
     "tests/test_vllm_demo.py",
     "tests/test_readme_results.py",
 )

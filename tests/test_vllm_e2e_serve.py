@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import pytest
 
-from tests.test_vllm_e2e_harness import SCRIPTS, _load
+from tests.e2e_fakes import SCRIPTS, _load
 
 serve = _load("serve")
 

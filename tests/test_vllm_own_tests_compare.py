@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from tests.test_vllm_e2e_harness import SCRIPTS
+from tests.e2e_fakes import SCRIPTS
 
 _spec = importlib.util.spec_from_file_location(
     "vllm_own_tests_compare", os.path.join(SCRIPTS, "vllm_own_tests", "compare.py")
