@@ -1,7 +1,7 @@
 """Stand-ins the end-to-end harness's CPU tests share: the harness's modules loaded
 from scripts/vllm_e2e, a ``torch.cuda`` whose usage they move, a runner and a worker
-that move it as vLLM would, and run_llm.py results made by run_llm.py's own wrappers
-and workload. The byte counts are test inputs, not measurements."""
+that move it as vLLM would, and run_llm.py results made by run_llm.py's own meter and
+workload. The byte counts are test inputs, not measurements."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ def _load(name: str) -> ModuleType:
 
 
 run_llm, summarize, device = _load("run_llm"), _load("summarize"), _load("device")
-# free_at_rest collects garbage; with vLLM imported that is slow, and needless here.
+# The meter collects garbage at rest; with vLLM imported that is slow, and needless here.
 run_llm.gc = SimpleNamespace(collect=lambda: 0)
-ESTIMATE_ENV = run_llm.ESTIMATE_ENV
+ESTIMATE_ENV = "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS"  # vLLM's; run_llm.py resets it
 HEADROOM = 100 * MiB  # the stand-in worker's activation headroom
 UPSTREAM = {"est": 41 * MiB, "retained": 32 * MiB, "actual": 36 * MiB, "kv": 7 << 30}
 EXACT = {"est": 34 * MiB, "retained": 4 * MiB, "actual": 30 * MiB, "kv": 8 << 30}
@@ -47,38 +47,19 @@ def pick(rows: list[dict], keys: str) -> str:
     return "; ".join(" ".join(str(row[k]) for k in keys.split()) for row in rows)
 
 
-class FakeCuda:
-    """``torch.cuda`` whose driver-level usage the stand-ins below move."""
-
-    total = 80 << 30
-
-    def __init__(self) -> None:
-        self.used, self.reserved, self.allocated = 10 << 30, 0, 0
-        self.peak_allocated = self.peak_reserved = 0
-
-    def synchronize(self) -> None:
-        pass
-
-    empty_cache = reset_peak_memory_stats = synchronize
-
-    def mem_get_info(self) -> tuple[int, int]:
-        return self.total - self.used, self.total
-
-    def memory_reserved(self) -> int:
-        return self.reserved
-
-    def memory_allocated(self) -> int:
-        return self.allocated
-
-    def max_memory_allocated(self) -> int:
-        return self.peak_allocated
-
-    def max_memory_reserved(self) -> int:
-        return self.peak_reserved
+def fake_cuda() -> SimpleNamespace:
+    """``torch.cuda`` whose driver-level usage the stand-ins below move (``used``); the
+    allocator's peaks are what a generate set (``peak``, ``reserved``)."""
+    cuda = SimpleNamespace(total=80 << 30, used=10 << 30, reserved=0, peak=0)
+    cuda.synchronize = cuda.empty_cache = cuda.reset_peak_memory_stats = lambda: None
+    cuda.mem_get_info = lambda: (cuda.total - cuda.used, cuda.total)
+    cuda.memory_reserved = cuda.max_memory_reserved = lambda: cuda.reserved
+    cuda.memory_allocated, cuda.max_memory_allocated = lambda: 0, lambda: cuda.peak
+    return cuda
 
 
 def fake_classes(
-    cuda: FakeCuda, est: int, retained: int, actual: int, kv: int, held: int | None = None
+    cuda: SimpleNamespace, est: int, retained: int, actual: int, kv: int, held: int | None = None
 ) -> tuple:
     """A runner and a worker that move ``cuda`` as vLLM would: the profile leaves
     ``retained`` taken, the worker sizes the KV cache at ``kv`` (its limit ``kv +
@@ -98,11 +79,10 @@ def fake_classes(
         cudagraph_memory_estimate = est
 
         def determine_available_memory(self) -> int:
-            applied = est if run_llm.estimate_applied() else 0
-            free = cuda.total - cuda.used
-            self.init_snapshot = SimpleNamespace(free_memory=free, total_memory=cuda.total)
-            self.requested_memory = kv + HEADROOM + applied
-            self.peak_activation_memory = HEADROOM + applied
+            self.init_snapshot = SimpleNamespace(free_memory=cuda.total - cuda.used)
+            self.init_snapshot.total_memory = cuda.total
+            self.requested_memory = kv + HEADROOM + est
+            self.peak_activation_memory = HEADROOM + est
             self.available_kv_cache_memory_bytes = kv
             Runner().profile_cudagraph_memory()
             cuda.used += kv if held is None else held
@@ -122,59 +102,45 @@ def metrics(drafts: int, draft_tokens: int, accepted: int, steps: int = 0) -> li
 
 
 def fake_run(size: str, case: str, plugin: str, tokens: list, fig: dict, **kw: Any) -> dict:
-    """A run_llm.py result made by its own wrappers and ``run_workload``: start-up moves
-    the stand-in GPU by ``fig`` (est, retained, actual, kv), then the workload
-    (``workload``) generates ``tokens`` with a step that keeps ``step`` bytes; ``once``
-    and ``fallback``: what capture-once left on the runner."""
-    cuda, report, step = FakeCuda(), kw.get("report"), kw.get("step", 0)
+    """A run_llm.py result made by its own meter, runner record and ``run_workload``:
+    start-up moves the stand-in GPU by ``fig`` (est, retained, actual, kv, held), then
+    the workload (``workload``) generates ``tokens`` with a step that keeps ``step``
+    bytes; ``report``, ``once`` and ``fallback``: what the plugin left on the runner."""
+    cuda, step = fake_cuda(), kw.get("step", 0)
     held = fig.get("held", fig["kv"])
-    runner_cls, worker_cls = fake_classes(
-        cuda, fig["est"], fig["retained"], fig["actual"], fig["kv"], held
-    )
+    figures = (fig["est"], fig["retained"], fig["actual"], fig["kv"], held)
+    runner_cls, worker_cls = fake_classes(cuda, *figures)
     mem: dict[str, Any] = {}
-    installed = run_llm.install_wrappers(runner_cls, worker_cls, cuda, mem)
+    meter = run_llm.Meter(cuda, mem).install(runner_cls, worker_cls)
     worker_cls().determine_available_memory()
     runner_cls().capture_model(profile_only=True)
     runner_cls().capture_model()
+    report = kw.get("report")
     runner = SimpleNamespace(specgraph_profile=report and SimpleNamespace(to_dict=lambda: report))
     runner.specgraph_capture_once = kw.get("once")
     runner.specgraph_capture_once_fallback = kw.get("fallback")
-    result = {"size": size, "case": case, "capture": kw.get("capture", "default"), "ok": True}
-    result |= {"workload": kw.get("workload", "smoke"), "mem": mem, "startup_s": 12.5}
-    result["plugin"] = {"switch": plugin, "wrappers_intact": run_llm.wrappers_intact(installed)}
-    result["resolved"] = {
-        "num_gpu_blocks": held >> 14,
-        "block_size": 16,
-        "num_capture_sizes": 6,
-    }
-    result |= {"kv_tokens": held >> 10, "plugin_report": run_llm.plugin_report(runner)}
-    result |= run_llm.capture_once_of(runner)
+    record = run_llm.runner_record(runner)
+    result = {"size": size, "case": case, "ok": True, "workload": kw.get("workload", "smoke")}
+    result |= {"mem": mem, "startup_s": 12.5, "kv_tokens": held >> 10}
+    result["plugin"] = {"switch": plugin, "wrappers_intact": meter.intact()}
+    result["resolved"] = {"num_gpu_blocks": held >> 14, "block_size": 16, "num_capture_sizes": 6}
+    result |= {key: record[key] for key in run_llm.RUNNER_KEYS}
 
-    def generate(requests: list, sampling: dict | None = None) -> list[list[int]]:
+    def generate(requests: list) -> list[list[int]]:
         cuda.used += step
         cuda.reserved += step
-        cuda.peak_allocated, cuda.peak_reserved = cuda.allocated + step, cuda.reserved
-        result.setdefault("sampled_with", []).append(sampling)
+        cuda.peak = step
         return [list(t) for t in tokens]
 
-    args = SimpleNamespace(workload=result["workload"], max_tokens=3, num_prompts=2, seed=0)
-    args.load_requests, args.load_repeats = 4, 2
-    llm = SimpleNamespace(get_metrics=lambda: metrics(10, 30, 12))
-    run_llm.run_workload(args, run_llm.SIZES[size], 512, generate, llm, cuda, mem, result)
+    args = SimpleNamespace(workload=result["workload"], size=size, load_requests=4, load_repeats=2)
+    counters = lambda: run_llm.read_spec_counters(metrics(10, 30, 12))  # noqa: E731
+    run_llm.run_workload(args, 512, generate, counters, meter, result)
     return result
 
 
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    """The plugin's ``CaptureOnceOutcome``, the fields run_llm.py reads."""
-
-    max_blocks: int
-    num_blocks: int
-    reserved_bytes: int
-    mapped_bytes: int
-    taken_bytes: int
-    budget_bytes: int
-    seconds: float
+# The plugin's CaptureOnceOutcome, the fields run_llm.py reads.
+OUTCOME_FIELDS = "max_blocks num_blocks reserved_bytes mapped_bytes taken_bytes budget_bytes"
+Outcome = dataclasses.make_dataclass("Outcome", [*OUTCOME_FIELDS.split(), "seconds"], frozen=True)
 
 
 def once_run(case: str, tokens: list, held: int = ONCE["held"]) -> dict:

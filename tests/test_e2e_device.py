@@ -13,38 +13,22 @@ from typing import Any
 
 import pytest
 
-from tests.e2e_fakes import (
-    SCRIPTS,
-    device,
-    kv,
-)
-
-# ---- device.py -------------------------------------------------------------------------
+from tests.e2e_fakes import SCRIPTS, device, kv, run_llm
 
 
 @pytest.mark.parametrize(
     ("env", "says"),
     [
-        ("MODE=tight", "unknown MODE 'tight'"),
-        ("SIZES=tiny 2b", "unknown SIZES '2b'"),
+        ("MODE=tight", "unknown MODE 'tight' (bench, load, demo, serve)"),
+        ("SIZES=tiny 2b", "unknown SIZES '2b' (tiny, 1b, 8b)"),
         ("CASES=medusa", "unknown CASES 'medusa'"),
-        ("GRAPHS=eager", "unknown GRAPHS"),
-        ("PLUGIN=maybe", "unknown PLUGIN"),
-        ("CAPTURE=large", "unknown CAPTURE"),
-        ("ALLOCATOR=cumem", "unknown ALLOCATOR 'cumem'"),
-        ("ALLOCATOR=default expandable", "unknown ALLOCATOR"),
-        ("WORKLOAD=tight", "unknown WORKLOAD 'tight'"),
-        ("MEMORY_HISTORY=2", "unknown MEMORY_HISTORY '2'"),
+        ("GRAPHS=eager", "unknown GRAPHS 'eager' (full, compile)"),
+        ("PLUGIN=off noest", "unknown PLUGIN 'noest' (off, on, none, once)"),
         ("TP=0", "TP must be a positive integer, got '0'"),
-        ("LOAD_ROUNDS=x", "LOAD_ROUNDS must be a positive integer"),
-        ("LOAD_CORES=0", "LOAD_CORES must be a positive integer"),
-        ("MEMORY_HISTORY=1; TP=2", "MEMORY_HISTORY=1 records at TP=1 only"),
-        ("UTIL=1.5", "UTIL must be a gpu_memory_utilization in (0, 1], got '1.5'"),
-        ("UTIL=0.0", "got '0.0'"),
-        ("MODE=serve; PLUGIN=on", 'MODE=serve runs PLUGIN="off on" only'),
-        ("MODE=serve; TP=2", "MODE=serve runs TP=1"),
-        ("MODE=serve; CAPTURE=small", "CAPTURE=default"),
-        ("MODE=serve; UTIL=0.9", "MODE=serve takes neither UTIL nor MEMORY_HISTORY"),
+        ("LOAD_REQUESTS=x", "LOAD_REQUESTS must be a positive integer, got 'x'"),
+        ("T_1b=-5", "T_1b must be a whole number of seconds, got '-5'"),
+        ("MODE=serve; PLUGIN=on", "MODE=serve runs PLUGIN=\"off on\" at TP=1 only, got 'on'"),
+        ("MODE=serve; TP=2", 'MODE=serve runs PLUGIN="off on" at TP=1 only'),
     ],
 )
 def test_knobs_refused_with_the_reason(env, says, capsys):
@@ -53,55 +37,46 @@ def test_knobs_refused_with_the_reason(env, says, capsys):
     assert stop.value.code == 2 and says in capsys.readouterr().out
 
 
-def plan(knobs: str) -> str:
-    """The names of the runs planned, a job's runs joined by spaces, the jobs by " / "."""
-    return " / ".join(
-        " ".join(run.name for run in job) for job in device.plan(device.knobs(kv(knobs)))
-    )
+def plan(knobs: str) -> list[list[Any]]:
+    return device.plan(device.knobs(kv(knobs + "; OUT=/o")))
+
+
+def names(knobs: str) -> str:
+    """The runs planned: a job's names joined by spaces, the jobs by " / "."""
+    return " / ".join(" ".join(run.name for run in job) for job in plan(knobs))
 
 
 def test_plan_of_the_knobs():
-    assert plan("") == " / ".join(
-        f"tiny-{c}-{p}-compile" for c in ("base", "draft", "ngram", "eagle") for p in ("off", "on")
-    )  # bench, vLLM's graph mode
-    assert plan("SIZES=tiny 1b; CASES=base; GRAPHS=compile full") == (
-        "tiny-base-off-compile / tiny-base-on-compile / 1b-base-off-compile / 1b-base-on-compile / "
-        "tiny-base-off / tiny-base-on / 1b-base-off / 1b-base-on"
+    assert names("SIZES=tiny 1b; CASES=base; GRAPHS=compile full; PLUGIN=on once") == (
+        "tiny-base-on-compile / tiny-base-once-compile / 1b-base-on-compile / "
+        "1b-base-once-compile / tiny-base-on / tiny-base-once / 1b-base-on / 1b-base-once"
     )
-    ((run,),) = device.plan(
-        device.knobs(kv("SIZES=1b; CASES=eagle; PLUGIN=on; GRAPHS=full; OUT=/o"))
+    ((run,),) = plan("SIZES=8b; CASES=eagle; PLUGIN=on; GRAPHS=full; TP=2; CUSTOM_AR=1")
+    assert f"{run.script} {' '.join(run.args)}" == (
+        "run_llm.py --size 8b --case eagle --plugin on --workload smoke --graph-mode full "
+        "--tp 2 --custom-all-reduce --out /o/8b-eagle-on-tp2.json"
     )
-    assert " ".join(run.args) == (
-        "--size 1b --case eagle --plugin on --capture default --workload smoke --graph-mode full "
-        "--allocator default --out /o/1b-eagle-on.json"
-    )
-    knobs = "SIZES=8b; CASES=base; PLUGIN=noest; CAPTURE=small; ALLOCATOR=expandable; UTIL=0.9"
-    ((run,),) = device.plan(device.knobs(kv(f"{knobs}; TP=2; CUSTOM_AR=1; WORKLOAD=peak; OUT=/o")))
-    assert run.name == "8b-base-noest-small-compile-peak-expandable-util0.9-tp2"
-    assert " ".join(run.args[-9:-1]) == (
-        "--tp 2 --custom-all-reduce --allocator expandable --gpu-mem-util 0.9 --out"
-    )
-    knobs = "WORKLOAD=peak; MEMORY_HISTORY=1; CASES=base; PLUGIN=on; GRAPHS=full; OUT=/o"
-    ((run,),) = device.plan(device.knobs(kv(knobs)))
-    assert run.args[-6:-4] == ["--memory-history", "/o/tiny-base-on-peak.pickle"]
     # Load: each round's switches one job, the order reversed every other round.
-    assert plan("MODE=load; CASES=draft; GRAPHS=full; LOAD_ROUNDS=3") == (
+    assert names("MODE=load; CASES=draft; GRAPHS=full; LOAD_ROUNDS=3") == (
         "1b-draft-off-load 1b-draft-on-load / 1b-draft-on-load-r2 1b-draft-off-load-r2 / "
         "1b-draft-off-load-r3 1b-draft-on-load-r3"
     )
-    jobs = device.plan(device.knobs(kv("MODE=load; LOAD_REQUESTS=64")))
-    assert " ".join(jobs[1][0].args[8:18]) == (
-        "--workload load --graph-mode compile --load-requests 64 --load-repeats 2 --load-round 2"
+    assert " ".join(plan("MODE=load; LOAD_REQUESTS=64")[1][0].args[6:]) == (
+        "--workload load --graph-mode compile --load-requests 64 --load-repeats 2 --load-round 2 "
+        "--out /o/1b-base-on-compile-load-r2.json"
     )
-    assert [job[0].case for job in jobs] == ["base", "base", "draft", "draft", "accept", "accept"]
-    assert device.knobs({"MODE": "serve"}).cases == ["draft"]
-    assert plan("CASES=base; GRAPHS=full; PLUGIN=on once") == "tiny-base-on / tiny-base-once"
+    for knobs in ("", "MODE=load; GRAPHS=full compile; TP=2; CUSTOM_AR=1"):  # run_llm.py's flags
+        assert all(run_llm.parse_args(run.args) for job in plan(knobs) for run in job)
+    ((_, on),) = plan("MODE=serve")  # one job: one server at a time
+    assert f"{on.name} {on.script} {' '.join(on.args)}" == (
+        "1b-draft-on-compile-serve serve.py --size 1b --case draft --plugin on --graph-mode "
+        "compile --out /o/serve/1b-draft-on-compile-serve.json"
+    )
 
 
 def test_lanes_and_core_pins(monkeypatch, capsys):
     monkeypatch.setattr(device, "smi", lambda *q: ["0", "1", "2", "3"])
     monkeypatch.setattr(device.os, "sched_getaffinity", lambda pid: set(range(16)))
-    monkeypatch.setattr(device, "call", lambda cmd, **kw: 0)
 
     def lanes(knobs: str, env: dict) -> str:
         found = device.lanes_and_pins(device.knobs(kv(knobs)), env)
@@ -120,183 +95,149 @@ def test_lanes_and_core_pins(monkeypatch, capsys):
 
 class Launches:
     """Device.launch faked: records (lane, argv, limit), moves the clock by ``took``
-    seconds, exits with ``rc(argv)`` and writes a log."""
+    seconds and exits with 1 where ``fails`` is in the argv's --out."""
 
-    def __init__(self, monkeypatch, rc: Any = lambda argv: 0, took: int = 10) -> None:
+    def __init__(self, monkeypatch, fails: str = "no run", took: int = 10) -> None:
         self.calls: list[tuple[int, list[str], int]] = []
-        self.clock, self.rc, self.took = [1000], rc, took
+        self.clock, self.fails, self.took = [1000], fails, took
         monkeypatch.setattr(device, "now", lambda: self.clock[0])
         monkeypatch.setattr(device.Device, "launch", lambda dev, *a: self.launch(*a))
 
-    def launch(self, lane: int, argv: list[str], limit: int, log: str | None) -> Any:
+    def launch(self, lane: int, argv: list[str], limit: int, log: str) -> Any:
         self.calls.append((lane, argv, limit))
         self.clock[0] += self.took
-        with open(log or os.devnull, "w") as f:
-            f.write("INFO Graph capturing finished in 3 secs\nvllm-specgraph armed\n")
-        rc = self.rc(argv)
-        return SimpleNamespace(
-            wait=lambda: rc, pid=0, returncode=rc, communicate=lambda: ("ok", "")
-        )
+        open(log, "w").close()
+        return SimpleNamespace(wait=lambda: int(self.fails in argv[-1]), pid=0)
 
     def runs(self) -> str:
         """What ran (a run's name, or warm-up:KEY) and its limit, one after the other."""
-        out = []
-        for _, argv, limit in self.calls:
-            name = os.path.basename(argv[argv.index("--out") + 1]).removesuffix(".json")
-            out.append(f"{name.replace('compile-warmup-', 'warm-up:')} {limit}")
-        return ", ".join(out)
+        out = [(os.path.basename(argv[-1])[:-5], limit) for _, argv, limit in self.calls]
+        return ", ".join(f"{name.replace('compile-warmup-', 'warm-up:')} {s}" for name, s in out)
 
 
-def _device(tmp_path, knobs: str) -> Any:
+def _device(tmp_path, knobs: str, lanes: int = 1) -> Any:
     k = device.knobs(kv(f"OUT={tmp_path}/out; E2E_WORK={tmp_path}/w; {knobs}"))
     os.makedirs(k.out, exist_ok=True)
-    return device.Device(k, ["0"], [[]], device.now())
+    return device.Device(k, [str(i) for i in range(lanes)], [[]] * lanes, device.now())
 
 
 def test_limits_budget_and_compile_warm_ups(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
-    fake = Launches(monkeypatch, rc=lambda argv: 1 if "tiny-base-off" in argv[-1] else 0)
-    dev = _device(tmp_path, "SIZES=tiny 1b; CASES=base; CAPTURE=default small; T_tiny=50")
+    fake = Launches(monkeypatch, fails="tiny-base-off")
+    dev = _device(tmp_path, "SIZES=tiny 1b; CASES=base; T_tiny=50")
     dev.execute(device.plan(dev.k))
-    # A run of a size no run of which has ended well yet gets T_FIRST_EXTRA; one unmeasured
-    # warm-up without the plugin before the first compile run of each (size, case, capture
-    # set) on the machine, with the run's limit.
+    # T_FIRST_EXTRA until a run of the (size, graph mode) ends well; one unmeasured warm-up
+    # without the plugin before the first compile run of each (size, case), at its limit.
     assert fake.runs() == (
-        "warm-up:tiny-base-default 110, tiny-base-off-compile 110, tiny-base-on-compile 110, "
-        "warm-up:tiny-base-small 50, tiny-base-off-small-compile 50, "
-        "tiny-base-on-small-compile 50, "
-        "warm-up:1b-base-default 210, 1b-base-off-compile 210, 1b-base-on-compile 150, "
-        "warm-up:1b-base-small 150, 1b-base-off-small-compile 150, 1b-base-on-small-compile 150"
+        "warm-up:tiny-base 110, tiny-base-off-compile 110, tiny-base-on-compile 110, "
+        "warm-up:1b-base 210, 1b-base-off-compile 210, 1b-base-on-compile 150"
     )
-    warm = fake.calls[0][1]
-    assert warm[warm.index("--plugin") + 1] == "none" and "--workload" not in warm
-    markers = sorted(os.listdir(tmp_path / "cache" / "specgraph-e2e-compiled"))
-    assert markers == [
-        ".lock",
-        "1b-base-default",
-        "1b-base-small",
-        "tiny-base-default",
-        "tiny-base-small",
-    ]
+    warm_up = run_llm.parse_args(fake.calls[0][1][1:])
+    assert (warm_up.plugin, warm_up.graph_mode, warm_up.workload) == ("none", "compile", "smoke")
     assert "run tiny-base-on-compile rc=0 elapsed=10 s" in capsys.readouterr().out
     fake.calls.clear()
-    dev.execute(device.plan(dev.k)[:1])  # the markers stay: no warm-up
-    assert fake.runs() == "tiny-base-off-compile 50"
-    # The budget: a limit cut to what is left (25 s kept), a run under 30 s skipped;
-    # a failed warm-up is not tried again.
+    dev = _device(tmp_path, "CASES=base; PLUGIN=off")
+    dev.execute(device.plan(dev.k))  # the markers stay for the next invocation: no warm-up
+    assert fake.runs() == "tiny-base-off-compile 150"
+    # The budget: a limit cut to what is left (25 s kept), a run under 30 s skipped and
+    # listed; a failed warm-up is not tried again.
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache2"))
-    fake = Launches(monkeypatch, rc=lambda argv: 1 if "warmup" in argv[-1] else 0, took=40)
-    dev = _device(tmp_path, "MODE=load; CASES=base draft; BUDGET=150; LOAD_ROUNDS=1")
+    fake = Launches(monkeypatch, fails="warmup", took=40)
+    dev = _device(tmp_path, "MODE=load; CASES=base draft; BUDGET=190; LOAD_ROUNDS=1")
     dev.execute(device.plan(dev.k))
     assert fake.runs() == (
-        "warm-up:1b-base-default 125, 1b-base-off-compile-load 85, 1b-base-on-compile-load 45"
+        "warm-up:1b-base 165, 1b-base-off-compile-load 125, 1b-base-on-compile-load 85, "
+        "warm-up:1b-draft 45"
     )
     skipped = (tmp_path / "out" / "skipped.txt").read_text().split()
     assert skipped == ["1b-draft-off-compile-load", "1b-draft-on-compile-load"]
-    fake = Launches(monkeypatch)
-    monkeypatch.setattr(device.os, "killpg", lambda pid, sig: None)
-    monkeypatch.setattr(device, "smi", lambda *q: [])
-    knobs = "MODE=load; GRAPHS=full; TP=2; CASES=base; T_1b=100; T_LOAD_EXTRA=7; T_TP_EXTRA=11"
-    dev = _device(tmp_path, knobs + "; T_FIRST_EXTRA=0; LOAD_ROUNDS=1")
-    dev.execute(device.plan(dev.k))
-    assert fake.runs() == "1b-base-off-load-tp2 118, 1b-base-on-load-tp2 118"
+    knobs = "MODE=load; TP=2; T_1b=100; T_LOAD_EXTRA=7; T_TP_EXTRA=11; T_FIRST_EXTRA=5"
+    dev = _device(tmp_path, knobs)
+    assert dev.limit(device.plan(dev.k)[0][0]) == 100 + 7 + 11 + 5
 
 
-def test_serve_runs_each_switch_after_one_warm_up_then_compares_them(tmp_path, monkeypatch):
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
-    fake = Launches(monkeypatch, rc=lambda argv: 0)
-    compared = []
-    monkeypatch.setattr(
-        device, "call", lambda cmd, **kw: compared.append(cmd[2:]) or len(compared) - 1
-    )
-    dev = _device(tmp_path, "MODE=serve; GRAPHS=compile full; BUDGET=600")
-    assert dev.serve() == 1  # the second comparison failed
-    assert fake.runs() == (
-        "warm-up:1b-draft-default 575, 1b-draft-off-compile-serve 565, "
-        "1b-draft-on-compile-serve 555, 1b-draft-off-serve 545, 1b-draft-on-serve 535"
-    )
-    assert fake.calls[1][1][1:9] == [
-        "--size",
-        "1b",
-        "--case",
-        "draft",
-        "--plugin",
-        "off",
-        "--graph-mode",
-        "compile",
-    ]
-    off, on = (f"{tmp_path}/out/serve/1b-draft-{p}-compile-serve.json" for p in ("off", "on"))
-    assert compared[0] == [
-        "--serve",
-        off,
-        on,
-        "--results",
-        f"{tmp_path}/out/serve/1b-draft-compile",
-    ]
+def test_serve_compares_each_pair(tmp_path, monkeypatch):
+    compared = []  # a serve plan is one job (test_plan_of_the_knobs): one server at a time
+
+    def summarize(cmd: list[str]) -> int:
+        compared.append(cmd[3:])
+        return int(cmd[-1].endswith("-full"))
+
+    monkeypatch.setattr(device, "call", summarize)
+    k = device.knobs(kv(f"MODE=serve; GRAPHS=compile full; OUT={tmp_path}"))
+    assert device.compare_serve_runs(k) == 1  # the second comparison failed
+    serve = f"{tmp_path}/serve/1b-draft"
+    pair = [f"{serve}-off-compile-serve.json", f"{serve}-on-compile-serve.json"]
+    assert compared == [[*pair, "--results", f"{serve}-compile"], compared[1]]
 
 
-def test_jobs_run_one_at_a_time_per_lane_and_side_by_side_across_lanes(tmp_path, monkeypatch):
-    spans: list[tuple[int, float, float]] = []
+def test_a_lane_takes_the_next_job_when_free_and_runs_it_in_turn(tmp_path, monkeypatch):
+    spans: list[tuple[int, str, float, float]] = []
 
-    def launch(dev: Any, lane: int, argv: list[str], limit: int, log: str | None) -> Any:
-        open(log, "w").close()
+    def run(dev: Any, lane: int, run: Any) -> None:
         start = time.monotonic()
+        time.sleep(0.05)
+        spans.append((lane, run.name, start, time.monotonic()))
 
-        def wait() -> int:
-            time.sleep(0.3)
-            spans.append((lane, start, time.monotonic()))
-            return 0
+    monkeypatch.setattr(device.Device, "run", run)
+    dev = _device(tmp_path, "MODE=load; GRAPHS=full; CASES=base draft accept", lanes=2)
+    dev.execute(jobs := device.plan(dev.k))
+    lane_of = {name: lane for lane, name, _, _ in spans}
+    assert len(spans) == 12 and set(lane_of.values()) == {0, 1}
+    assert all(len({lane_of[run.name] for run in job}) == 1 for job in jobs)  # a job on one lane
+    for a in spans:  # overlaps only across lanes
+        assert all(a[0] != b[0] for b in spans if a is not b and a[2] < b[3] and b[2] < a[3])
 
-        return SimpleNamespace(wait=wait)
 
-    monkeypatch.setattr(device.Device, "launch", launch)
-    dev = _device(tmp_path, "MODE=load; GRAPHS=full; CASES=base draft; LOAD_ROUNDS=2")
-    dev.lanes, dev.pins = ["0", "1"], [[], []]
-    dev.execute(device.plan(dev.k))
-    assert len(spans) == 8 and {lane for lane, _, _ in spans} == {0, 1}
-    pairs = [(a, b) for a in spans for b in spans if a is not b and a[1] < b[2] and b[1] < a[2]]
-    assert pairs and all(a[0] != b[0] for a, b in pairs)  # overlaps only across lanes
+def test_load_mode_removes_the_stale_rounds_of_its_runs(tmp_path):
+    names = [
+        "1b-base-on-compile-load-r3.log",
+        "1b-base-on-compile-load-r3-tp2.json",
+        "x-load-r2.json",
+    ]
+    for name in names:
+        (tmp_path / name).touch()
+    device.remove_stale_rounds(device.knobs(kv(f"MODE=load; OUT={tmp_path}")))
+    assert sorted(os.listdir(tmp_path)) == names[1:]  # round 1's files go as its run starts
+
+
+FAKE_RUN = """import json, os, sys
+keys = ("CUDA_VISIBLE_DEVICES", "PYTHONPATH", "SPECGRAPH_COMMIT", "VLLM_PLUGINS")
+env = {k: os.environ.get(k) for k in keys}
+out = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else f"{sys.argv[1]}/sum.json"
+json.dump({"argv": sys.argv[1:], "cwd": os.getcwd(), "env": env}, open(out, "w"))
+sys.exit(3)
+"""
 
 
 def test_main_runs_the_plan_with_the_run_environment_then_summarizes(tmp_path, monkeypatch, capfd):
-    """The device script end to end, with setup and the GPU left out: every run's process
-    gets its lane, the site dir's tree, the commit and an empty working directory."""
-    fake_run_llm = """import json, os, sys
-out = sys.argv[sys.argv.index("--out") + 1]
-keys = ("CUDA_VISIBLE_DEVICES", "PYTHONPATH", "SPECGRAPH_COMMIT", "VLLM_USE_V2_MODEL_RUNNER")
-run = {"size": "tiny", "case": "base", "ok": True, "tokens": [[1]], "cwd": os.getcwd()}
-run["plugin"] = {"switch": sys.argv[sys.argv.index("--plugin") + 1]}
-json.dump(run | {"env": {k: os.environ.get(k) for k in keys}}, open(out, "w"))
-"""
-    (tmp_path / "fake_run_llm.py").write_text(fake_run_llm)
-    (bin_dir := tmp_path / "bin").mkdir()
-    (bin_dir / "python3").write_text(
-        f'#!/bin/sh\ncase "$*" in *run_llm.py*) exec {sys.executable} {tmp_path}/fake_run_llm.py '
-        f'"$@" ;; esac\nexec {sys.executable} "$@"\n'
-    )
-    (bin_dir / "python3").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    """The device script end to end, setup and the GPU left out, run_llm.py and
+    summarize.py faked: every run gets its lane, the site dir's tree, the commit and an
+    empty working directory; the summary reads OUT."""
+    for script in ("run_llm.py", "summarize.py"):
+        (tmp_path / script).write_text(FAKE_RUN)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (tmp_path / "bin" / "python3").chmod(0o755)
     out, work = tmp_path / "out", tmp_path / "work"
     knobs = f"OUT={out}; E2E_WORK={work}; GPUS=3; CASES=base; GRAPHS=full; COMMIT=abc"
-    for key, value in kv(knobs + "; VLLM_PLUGINS=inherited").items():
+    for key, value in kv(f"{knobs}; VLLM_PLUGINS=inherited").items():
         monkeypatch.setenv(key, value)
+    monkeypatch.setenv("PATH", f"{tmp_path}/bin:{os.environ['PATH']}")
+    monkeypatch.setattr(device, "HERE", str(tmp_path))
     monkeypatch.setattr(device, "setup", lambda k: os.makedirs(f"{k.work}/cwd"))
     monkeypatch.setattr(device, "smi", lambda *q: [])
-    assert device.main() == 1  # no measured figures: the rows fail their checks
-    runs = {p.stem: json.loads(p.read_text()) for p in out.glob("tiny-*.json")}
-    assert sorted(runs) == ["tiny-base-off", "tiny-base-on"]
-    on = runs["tiny-base-on"]["env"]
-    assert on == {
-        "CUDA_VISIBLE_DEVICES": "3",
-        "PYTHONPATH": f"{work}/tree:{work}/site",
-        "SPECGRAPH_COMMIT": "abc",
-        "VLLM_USE_V2_MODEL_RUNNER": "1",
-    }
-    assert runs["tiny-base-on"]["cwd"] == str(work / "cwd") and "VLLM_PLUGINS" not in os.environ
-    assert (out / "bench" / "results" / "vllm_graph_memory.md").exists()
+    assert device.main() == 3  # summarize.py's exit status
+    on = json.loads((out / "tiny-base-on.json").read_text())
+    assert on["argv"][:6] == ["--size", "tiny", "--case", "base", "--plugin", "on"]
+    env = {"CUDA_VISIBLE_DEVICES": "3", "PYTHONPATH": f"{work}/tree:{work}/site"}
+    assert on["env"] == env | {"SPECGRAPH_COMMIT": "abc", "VLLM_PLUGINS": None}
+    assert on["cwd"] == str(work / "cwd") and (out / "tiny-base-off.json").exists()
+    summary = json.loads((out / "sum.json").read_text())["argv"]
+    assert summary[:3] == [str(out), "--results", f"{out}/bench/results"]
     printed = capfd.readouterr().out
     assert "mode bench; lanes (CUDA_VISIBLE_DEVICES): 3; pinned to: (not pinned)" in printed
-    assert "SUMMARY: all runs ok=True (2/2)" in printed
+    assert "run tiny-base-on rc=3" in printed
     wrapper = [os.path.join(SCRIPTS, "device-vllm-e2e.sh")]
     done = subprocess.run(["bash", *wrapper], env=os.environ | {"MODE": "x"}, capture_output=True)
     assert done.returncode == 2 and b"unknown MODE 'x'" in done.stdout
