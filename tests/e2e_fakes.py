@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import sys
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -20,6 +21,7 @@ def _load(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # what the scripts import of each other, as from their folder
     spec.loader.exec_module(mod)
     return mod
 

@@ -24,6 +24,8 @@ import time
 from types import SimpleNamespace
 from typing import NamedTuple
 
+import run_llm
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 RESERVE, MIN_RUN = 25, 30  # seconds kept for the summary; the shortest run worth starting
@@ -53,15 +55,7 @@ ENV = {  # every process's, vLLM's workers at TP > 1 included
     "NVSHMEM_DISABLE_NVLS": "1",
     "PYTHONUNBUFFERED": "1",
     "PYTHONHASHSEED": "0",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_USE_V2_MODEL_RUNNER": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "TVM_FFI_DISABLE_TORCH_C_DLPACK": "1",  # else xgrammar's tvm-ffi JIT-builds a torch addon
-    "VLLM_USE_FLASHINFER_SAMPLER": "0",  # MRV2's sampler imports flashinfer unguarded otherwise
-}
+} | run_llm.BASE_ENV  # the demo and the warm-up read vLLM's settings from here too
 SWITCH_ENV = ("VLLM_PLUGINS", "VLLM_SPECGRAPH", "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS")
 
 

@@ -55,8 +55,8 @@ BASE_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
     "VLLM_LOGGING_LEVEL": "INFO",
-    "VLLM_USE_FLASHINFER_SAMPLER": "0",
-    "TVM_FFI_DISABLE_TORCH_C_DLPACK": "1",
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",  # MRV2's sampler imports flashinfer unguarded otherwise
+    "TVM_FFI_DISABLE_TORCH_C_DLPACK": "1",  # else xgrammar's tvm-ffi JIT-builds a torch addon
 }
 TINY = {"model": "tiny-llama", "draft": "tiny-llama-draft", "eagle": "tiny-llama-draft"}
 SIZES: dict[str, dict[str, Any]] = {  # model, draft, eagle: config dirs (CONFIGS/NAME)
