@@ -154,6 +154,18 @@ def test_limits_budget_and_compile_warm_ups(tmp_path, monkeypatch, capsys):
     knobs = "MODE=load; TP=2; T_1b=100; T_LOAD_EXTRA=7; T_TP_EXTRA=11; T_FIRST_EXTRA=5"
     dev = _device(tmp_path, knobs)
     assert dev.limit(device.plan(dev.k)[0][0]) == 100 + 7 + 11 + 5
+    # serve.py keeps its own start-up and shutdown limits, and only it can stop its server.
+    dev = _device(tmp_path, "MODE=serve; T_1b=40")
+    assert dev.limit(device.plan(dev.k)[0][0]) == dev.left() > 40
+
+
+def test_device_imports_on_a_machine_without_the_package(tmp_path):
+    # The GPU machine runs device.py with its own python3 before setup installs the plugin.
+    code = f"import sys; sys.path.insert(0, {os.path.join(SCRIPTS, 'vllm_e2e')!r}); import device"
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", code], cwd=tmp_path, capture_output=True
+    )
+    assert done.returncode == 0, done.stderr.decode()
 
 
 def test_serve_compares_each_pair(tmp_path, monkeypatch):
@@ -168,7 +180,8 @@ def test_serve_compares_each_pair(tmp_path, monkeypatch):
     assert device.compare_serve_runs(k) == 1  # the second comparison failed
     serve = f"{tmp_path}/serve/1b-draft"
     pair = [f"{serve}-off-compile-serve.json", f"{serve}-on-compile-serve.json"]
-    assert compared == [[*pair, "--results", f"{serve}-compile"], compared[1]]
+    full = [f"{serve}-off-serve.json", f"{serve}-on-serve.json", "--results", f"{serve}-full"]
+    assert compared == [[*pair, "--results", f"{serve}-compile"], full]
 
 
 def test_a_lane_takes_the_next_job_when_free_and_runs_it_in_turn(tmp_path, monkeypatch):

@@ -24,8 +24,6 @@ import time
 from types import SimpleNamespace
 from typing import NamedTuple
 
-import run_llm
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 RESERVE, MIN_RUN = 25, 30  # seconds kept for the summary; the shortest run worth starting
@@ -55,7 +53,15 @@ ENV = {  # every process's, vLLM's workers at TP > 1 included
     "NVSHMEM_DISABLE_NVLS": "1",
     "PYTHONUNBUFFERED": "1",
     "PYTHONHASHSEED": "0",
-} | run_llm.BASE_ENV  # the demo and the warm-up read vLLM's settings from here too
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_USE_V2_MODEL_RUNNER": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TVM_FFI_DISABLE_TORCH_C_DLPACK": "1",  # else xgrammar's tvm-ffi JIT-builds a torch addon
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",  # MRV2's sampler imports flashinfer unguarded otherwise
+}
 SWITCH_ENV = ("VLLM_PLUGINS", "VLLM_SPECGRAPH", "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS")
 
 
@@ -184,7 +190,11 @@ class Device:
         return self.k.budget - (now() - self.t0) - RESERVE
 
     def limit(self, run: Run) -> int:
+        """A serve run gets what is left: serve.py keeps its own start-up and shutdown
+        limits, and only it can stop the server it started in a session of its own."""
         k = self.k
+        if run.script == "serve.py":
+            return self.left()
         limit = getattr(k, f"t_{run.size}") + k.t_load_extra * (k.mode == "load")
         limit += k.t_first_extra * ((run.size, run.graphs) not in self.warm)  # cold caches
         return min(limit + k.t_tp_extra * (k.tp > 1), self.left())

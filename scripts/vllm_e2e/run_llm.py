@@ -47,17 +47,7 @@ COMMIT_ENV = "SPECGRAPH_COMMIT"  # the plugin commit the device script measures
 PROFILE_ENV, ALLREDUCE_ENV = "VLLM_SPECGRAPH_PROFILE", "VLLM_SPECGRAPH_ALLREDUCE"
 # What a run records of its environment (an allocator setting is inherited, not set).
 RECORDED_ENV = ("VLLM_PLUGINS", "VLLM_SPECGRAPH", "PYTORCH_CUDA_ALLOC_CONF", PROFILE_ENV)
-BASE_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_USE_V2_MODEL_RUNNER": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "VLLM_LOGGING_LEVEL": "INFO",
-    "VLLM_USE_FLASHINFER_SAMPLER": "0",  # MRV2's sampler imports flashinfer unguarded otherwise
-    "TVM_FFI_DISABLE_TORCH_C_DLPACK": "1",  # else xgrammar's tvm-ffi JIT-builds a torch addon
-}
+BASE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "1"}
 TINY = {"model": "tiny-llama", "draft": "tiny-llama-draft", "eagle": "tiny-llama-draft"}
 SIZES: dict[str, dict[str, Any]] = {  # model, draft, eagle: config dirs (CONFIGS/NAME)
     "tiny": {k: os.path.join(DEMO_CONFIGS, v) for k, v in TINY.items()}
