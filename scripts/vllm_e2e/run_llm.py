@@ -303,14 +303,14 @@ class Meter:
         kv = method(worker)
         mem["determine_available_memory_wall_s"] = round(time.perf_counter() - t0, 3)
         mem["kv_cache_bytes"] = int(kv)
-        estimate = int(getattr(worker, "cudagraph_memory_estimate", -1))
-        mem["worker_cudagraph_memory_estimate"] = estimate
+        estimate = getattr(worker, "cudagraph_memory_estimate", None)  # None: it kept none
+        mem["worker_cudagraph_memory_estimate"] = -1 if estimate is None else int(estimate)
         snapshot = getattr(worker, "init_snapshot", None)
         needed = ("requested_memory", "peak_activation_memory", "available_kv_cache_memory_bytes")
         if snapshot is None or not all(hasattr(worker, name) for name in needed):
             return kv  # it did not profile: kv_cache_memory_bytes was set
         requested = int(worker.requested_memory)
-        subtracted = int(getattr(worker, "cudagraph_memory_estimate", 0))
+        subtracted = 0 if estimate is None else int(estimate)
         mem["init_free_bytes"] = int(snapshot.free_memory)
         mem["init_total_bytes"] = int(snapshot.total_memory)
         mem["requested_bytes"] = requested
