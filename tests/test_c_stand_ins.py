@@ -1,5 +1,6 @@
-"""The pure-torch stand-in for vLLM's compiled tensor-parallel embedding lookup
-(scripts/vllm_e2e/_C_stable_libtorch.py), checked on the CPU against ``F.embedding``.
+"""The pure-torch stand-in for vLLM's compiled ``_C_stable_libtorch``
+(scripts/vllm_e2e/_C_stable_libtorch.py): its tensor-parallel embedding lookup checked
+on the CPU against ``F.embedding``, and its placeholder ops.
 
 Loading the stand-in registers ``torch.ops._C`` ops process-wide, which would change
 what other tests see (vLLM probes some of these names), so the checks run in one
@@ -12,8 +13,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable
 from types import ModuleType
@@ -40,9 +43,7 @@ def _lookup(shim: ModuleType, full: torch.Tensor, ids: torch.Tensor, shard: tupl
     nan = torch.full((max(pad, tail), full.shape[1]), float("nan"), dtype=full.dtype)
     table = torch.cat([full[org_start:org_end], nan[:pad], full[added_start:added_end], nan[:tail]])
     out = torch.full((ids.numel(), full.shape[1]), 7.0, dtype=full.dtype)
-    before = shim.CALLS["_C::vocab_parallel_embedding"]
     torch.ops._C.vocab_parallel_embedding(out, ids, table, *shard)
-    assert shim.CALLS["_C::vocab_parallel_embedding"] == before + 1, "call not counted"
     owned = [org_start <= int(t) < org_end or added_start <= int(t) < added_end for t in ids]
     safe = torch.tensor([int(t) if o else 0 for t, o in zip(ids, owned, strict=True)]).long()
     want = F.embedding(safe, full.float()) * torch.tensor(owned, dtype=torch.float32)[:, None]
@@ -81,16 +82,20 @@ def check_added_vocab(shim: ModuleType) -> None:
 def check_dtypes_and_no_tokens(shim: ModuleType) -> None:
     full = torch.randn(32, 6).to(torch.bfloat16)
     for dtype in (torch.int32, torch.int64):
-        assert (
-            _lookup(
-                shim, full, torch.tensor([31, 16, 15, 0, 40], dtype=dtype), (16, 32, 0, 32, 32)
-            ).dtype
-            == torch.bfloat16
-        )
-    assert _lookup(shim, full, torch.empty(0, dtype=torch.int64), (0, 16, 0, 32, 32)).shape == (
-        0,
-        6,
-    )
+        ids = torch.tensor([31, 16, 15, 0, 40], dtype=dtype)
+        assert _lookup(shim, full, ids, (16, 32, 0, 32, 32)).dtype == torch.bfloat16
+    none = torch.empty(0, dtype=torch.int64)
+    assert _lookup(shim, full, none, (0, 16, 0, 32, 32)).shape == (0, 6)
+
+
+SHARD_FIELDS = (  # vLLM's ShardIndices, in the op's argument order, then the tail padding
+    "org_vocab_start_index",
+    "org_vocab_end_index",
+    "num_org_vocab_padding",
+    "added_vocab_start_index",
+    "added_vocab_end_index",
+    "num_added_vocab_padding",
+)
 
 
 def check_with_vllm_shard_indices(shim: ModuleType) -> None:
@@ -113,38 +118,30 @@ def check_with_vllm_shard_indices(shim: ModuleType) -> None:
             si = VocabParallelEmbedding._get_indices(
                 total_padded, base_padded, base + added, base, rank, 2
             )
-            shards.append(
-                (
-                    si.org_vocab_start_index,
-                    si.org_vocab_end_index,
-                    si.num_org_vocab_padding,
-                    si.added_vocab_start_index,
-                    si.added_vocab_end_index,
-                    si.num_added_vocab_padding,
-                )
-            )
+            shards.append(tuple(getattr(si, field) for field in SHARD_FIELDS))
         _sum_of_ranks(
             shim, torch.randn(base + added, 8), torch.arange(-2, base + added + 3), shards
         )
 
 
-def check_registered_once_and_kept_by_placeholders(shim: ModuleType) -> None:
-    """The op is the stand-in's own registration, with its schema, so the placeholder
-    list the device script writes, which names it, skips it."""
+# The list the device script writes beside the stand-in: one name it implements.
+LISTED = ("_C::rms_norm", "_C::vocab_parallel_embedding")
+
+
+def check_listed_names_raise_unless_implemented(shim: ModuleType) -> None:
+    """A listed name becomes an op that raises, naming itself; a listed name the
+    stand-in implements keeps its implementation and its schema."""
+    assert shim.PLACEHOLDERS == ["_C::rms_norm"], shim.PLACEHOLDERS
+    try:
+        torch.ops._C.rms_norm()
+    except NotImplementedError as e:
+        assert "_C::rms_norm" in str(e), e
+    else:
+        raise AssertionError("a placeholder op ran")
     op = torch.ops._C.vocab_parallel_embedding.default
     names = [a.name for a in op._schema.arguments]
-    assert names == [
-        "out",
-        "input_ids",
-        "weight",
-        "org_vocab_start_index",
-        "org_vocab_end_index",
-        "num_org_vocab_padding",
-        "added_vocab_start_index",
-        "added_vocab_end_index",
-    ], names
+    assert names == ["out", "input_ids", "weight", *SHARD_FIELDS[:5]], names
     assert op._schema.arguments[0].alias_info.is_write
-    assert shim._has_op("_C", "vocab_parallel_embedding")
 
 
 class _Skip(Exception):
@@ -174,7 +171,12 @@ def test_stand_in(child_report: dict[str, str], check: str) -> None:
 
 
 if __name__ == "__main__":
-    spec = importlib.util.spec_from_file_location("vllm._C_stable_libtorch", SHIM)
+    tree = tempfile.mkdtemp()
+    shutil.copy(SHIM, tree)
+    with open(os.path.join(tree, "_C_stable_libtorch_placeholders.txt"), "w") as f:
+        f.write("\n".join(LISTED) + "\n")
+    path = os.path.join(tree, os.path.basename(SHIM))
+    spec = importlib.util.spec_from_file_location("vllm._C_stable_libtorch", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -6,26 +6,22 @@ and ``_C_cuda_utils`` ops the end-to-end path needs or looks up at construction:
 
 * ``weak_ref_tensor`` (CUDA-graph wrappers) and ``get_cuda_view_from_cpu_tensor``
   (Model Runner V2's UVA buffers): tensors over non-owning storage;
-* ``rms_norm``, ``fused_add_rms_norm``, ``silu_and_mul``, ``gelu_and_mul``,
-  ``gelu_tanh_and_mul``, ``rotary_embedding``: fallbacks (the runs select vLLM's
-  native paths; the layers only look these up), every call counted in ``CALLS``;
 * ``vocab_parallel_embedding``: at TP > 1 the only path of the embedding lookup;
 * device attributes, and the CUTLASS capability probes (all "not supported").
 
 Every other name vLLM's Python refers to without a ``hasattr`` probe (the device
-script lists them beside this file) is defined as an op that raises if called.
+script lists them beside this file) is defined as an op that raises if called: the
+layers that look up ``rms_norm``, ``silu_and_mul`` or ``rotary_embedding`` run their
+native paths in these runs, so a call of one of those would be a bug of the setup.
 """
 
 from __future__ import annotations
 
-import collections
 import os
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
-CALLS: collections.Counter = collections.Counter()
 _libs: dict[str, torch.library.Library] = {}  # kept alive
 
 
@@ -37,18 +33,13 @@ def _has_op(ns: str, name: str) -> bool:
 
 
 def _define(ns: str, schema: str, fn: Callable) -> None:
-    """Define ``ns::schema`` with ``fn``, counting its calls, unless a real extension has it."""
+    """Define ``ns::schema`` with ``fn`` unless a real extension has it."""
     name = schema.split("(", 1)[0]
     if _has_op(ns, name):
         return
-
-    def counted(*args: object) -> object:
-        CALLS[f"{ns}::{name}"] += 1
-        return fn(*args)
-
     lib = _libs.get(ns) or _libs.setdefault(ns, torch.library.Library(ns, "FRAGMENT"))
     lib.define(schema)
-    lib.impl(name, counted, "CompositeExplicitAutograd")
+    lib.impl(name, fn, "CompositeExplicitAutograd")
 
 
 def _non_owning(t: torch.Tensor, data_ptr: int, device: torch.device) -> torch.Tensor:
@@ -81,47 +72,6 @@ def _get_cuda_view_from_cpu_tensor(cpu_tensor: torch.Tensor) -> torch.Tensor:
         raise ValueError("get_cuda_view_from_cpu_tensor expects pinned memory")
     device = torch.device("cuda", torch.cuda.current_device())
     return _non_owning(cpu_tensor, _host_device_pointer(cpu_tensor.data_ptr()), device)
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    xf = x.float()
-    y = (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
-    return y if weight is None else y * weight
-
-
-def _fused_add_rms_norm(x, residual, weight, eps) -> None:
-    s = x + residual
-    residual.copy_(s)
-    x.copy_(_rms(s, weight, eps))
-
-
-def _and_mul(act: Callable) -> Callable:
-    def kernel(out: torch.Tensor, x: torch.Tensor) -> None:
-        d = x.shape[-1] // 2
-        out.copy_(act(x[..., :d]) * x[..., d:])
-
-    return kernel
-
-
-def _rope_one(x, positions, head_size, cos_sin_cache, is_neox, offset, inverse) -> None:
-    if x is None:
-        return
-    rot_dim, n = cos_sin_cache.shape[-1], positions.numel()
-    xv = x.view(n, -1, head_size)
-    cos, sin = cos_sin_cache.index_select(0, positions.reshape(-1)).to(x.dtype).chunk(2, dim=-1)
-    cos, sin = cos.unsqueeze(1), (-sin if inverse else sin).unsqueeze(1)
-    part = xv[..., offset : offset + rot_dim]
-    if is_neox:
-        x1, x2 = part.chunk(2, dim=-1)
-        part.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
-    else:
-        x1, x2 = part[..., 0::2], part[..., 1::2]
-        part.copy_(torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2))
-
-
-def _rotary_embedding(positions, query, key, head_size, cache, is_neox, offset=0, inverse=False):
-    for x in (query, key):
-        _rope_one(x, positions, head_size, cache, is_neox, offset, inverse)
 
 
 def _vocab_parallel_embedding(
@@ -166,10 +116,6 @@ def _max_shared_memory_per_block(device: int) -> int:
         )
 
 
-def _rms_norm(out, x, weight, eps) -> None:
-    out.copy_(_rms(x, weight, eps))
-
-
 CAPABILITY_QUERIES = (  # probed at import; no CUTLASS kernel is carried
     "cutlass_scaled_mm_supports_fp4",
     "cutlass_scaled_mm_supports_fp8",
@@ -182,17 +128,6 @@ for _name in CAPABILITY_QUERIES:
 for _schema, _fn in {
     "weak_ref_tensor(Tensor input) -> Tensor": lambda t: _non_owning(t, t.data_ptr(), t.device),
     "get_cuda_view_from_cpu_tensor(Tensor cpu_tensor) -> Tensor": _get_cuda_view_from_cpu_tensor,
-    "rms_norm(Tensor(a!) result, Tensor input, Tensor? weight, float epsilon) -> ()": _rms_norm,
-    "fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor? weight, float epsilon)"
-    " -> ()": _fused_add_rms_norm,
-    "silu_and_mul(Tensor(a!) result, Tensor input) -> ()": _and_mul(F.silu),
-    "gelu_and_mul(Tensor(a!) result, Tensor input) -> ()": _and_mul(F.gelu),
-    "gelu_tanh_and_mul(Tensor(a!) result, Tensor input) -> ()": _and_mul(
-        lambda x: F.gelu(x, approximate="tanh")
-    ),
-    "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, Tensor"
-    " cos_sin_cache, bool is_neox, int rope_dim_offset=0, bool inverse=False)"
-    " -> ()": _rotary_embedding,
     "vocab_parallel_embedding(Tensor(a!) out, Tensor input_ids, Tensor weight, int"
     " org_vocab_start_index, int org_vocab_end_index, int num_org_vocab_padding, int"
     " added_vocab_start_index, int added_vocab_end_index) -> ()": _vocab_parallel_embedding,
