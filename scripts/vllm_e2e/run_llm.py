@@ -1,10 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """One offline vLLM 0.33.0 run on a dummy-weight Llama, written to ``--out`` as JSON
-(docs/vllm-e2e.md: the knobs, and what a run records). Nothing in vLLM changes:
-wrappers call the methods they replace and read the driver's figures and the time
-around them, a log handler copies the plugin's lines. ``E2EWorkerExtension`` is the
-measuring side: vLLM mixes it into every worker at ``--tp`` > 1; at TP=1 this process
-calls its methods on its own worker."""
+(docs/vllm-e2e.md: what a run records). Nothing in vLLM changes: wrappers call the
+methods they replace and read figures around them; a log handler copies the plugin's
+lines. ``E2EWorkerExtension`` measures in every worker at ``--tp`` > 1, at TP=1 here."""
 
 from __future__ import annotations
 
@@ -15,23 +13,19 @@ import gc
 import importlib.util
 import json
 import logging
-import multiprocessing
 import os
 import pstats
 import random
-import statistics
 import sys
 import time
 import traceback
 import zlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(HERE)), "configs")
-# The tiny model's configs ship with the package, for its demo: found (not
-# imported: nothing may load before set_env) where the package is installed.
+# The tiny model's configs ship with the package (found, not imported, before set_env).
 DEMO_CONFIGS = os.path.join(
     importlib.util.find_spec("vllm_specgraph.demo").submodule_search_locations[0], "configs"
 )
@@ -42,11 +36,11 @@ PLUGIN_LOGGERS = ("vllm.specgraph", "vllm_specgraph")
 PLUGIN_LOG_PREFIX, PLUGIN_LOG_LIMIT = "SPECGRAPH-LOG", 500
 PLUGIN_LOG_ECHO_ENV = "E2E_PLUGIN_LOG_ECHO"  # 0: vLLM's own logging prints the plugin's lines
 WORKER_EXTENSION = "run_llm.E2EWorkerExtension"  # vLLM imports it in every worker at TP > 1
-RANK_DIR_ENV = "E2E_RANK_DIR"  # where the workers also write their figures as they are taken
 COMMIT_ENV = "SPECGRAPH_COMMIT"  # the plugin commit the device script measures
 PROFILE_ENV, ALLREDUCE_ENV = "VLLM_SPECGRAPH_PROFILE", "VLLM_SPECGRAPH_ALLREDUCE"
 # What a run records of its environment (an allocator setting is inherited, not set).
 RECORDED_ENV = ("VLLM_PLUGINS", "VLLM_SPECGRAPH", "PYTORCH_CUDA_ALLOC_CONF", PROFILE_ENV)
+SWITCH_ENV = {"off": {"VLLM_SPECGRAPH": "0"}, "once": {PROFILE_ENV: "capture-once"}}
 BASE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "1"}
 TINY = {"model": "tiny-llama", "draft": "tiny-llama-draft", "eagle": "tiny-llama-draft"}
 SIZES: dict[str, dict[str, Any]] = {  # model, draft, eagle: config dirs (CONFIGS/NAME)
@@ -63,31 +57,29 @@ GRAPH_MODES: dict[str, dict[str, Any]] = {
     "full": {"mode": 0, "cudagraph_mode": "FULL"},  # compilation off, FULL graphs
     "compile": {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"},  # vLLM's default for MRV2
 }
+SPEC_METHODS = {"draft": "draft_model", "accept": "draft_model", "eagle": "eagle", "ngram": "ngram"}
+SPEC_MODELS = {"draft": "draft", "accept": "model", "eagle": "eagle"}  # accept: the target's own
 NUM_SPEC, REINIT_STD = 3, 0.05  # speculative tokens; the weight refill's N(0, std)
 SMOKE_PROMPTS, SMOKE_MAX_TOKENS = 6, 32
 LOAD_MIN_LEN, LOAD_WARMUP_REQUESTS, LOAD_WARMUP_MAX_TOKENS, LOAD_SEED = 16, 16, 32, 0
 ENGINE_STEPS = "vllm:iteration_tokens_total"  # its count: the engine steps so far
 Request = tuple[list[int], int]  # (prompt token ids, max_tokens)
 Generate = Callable[[list[Request]], list[list[int]]]  # greedy: the generated token ids
-
-
-def config_dir(size: str, key: str = "model") -> str:
-    """The config directory of the size's ``model``, ``draft`` or ``eagle``."""
-    return os.path.join(CONFIGS, SIZES[size][key])
+Counters = Callable[[], dict[str, Any]]  # read_spec_counters of the engine's metrics now
+ENGINE_SETTINGS = "dtype max_model_len max_num_seqs max_num_batched_tokens gpu_memory_utilization"
+# The measuring side's state in its process (one worker each; TP=1: this process).
+STATE: dict[str, Any] = {"meter": None, "plugin_log": [], "llm": None}
 
 
 def vocab_size(size: str) -> int:
-    with open(os.path.join(config_dir(size), "config.json")) as f:
+    with open(os.path.join(CONFIGS, SIZES[size]["model"], "config.json")) as f:
         return int(json.load(f)["vocab_size"])
 
 
 def set_env(plugin: str, *, plugin_allreduce: bool = False) -> dict[str, str | None]:
-    """The engine's and the plugin switch's environment, before vLLM is imported: the
-    switch's variables are forced, so that an inherited value cannot turn one switch
-    into another, and vLLM subtracts its graph estimate (its default; ``Meter.budget``
-    counts on it). ``plugin_allreduce``: at TP > 1 with vLLM's custom all-reduce off
-    (only because its compiled library is not carried) the plugin would keep vLLM's
-    NCCL choice unless asked for its own by name. Returns what a run records."""
+    """The environment, before vLLM is imported: the switch's forced, vLLM's graph estimate
+    subtracted (``Meter.budget`` counts on it), ``plugin_allreduce``: the plugin's
+    all-reduce asked for by name (TP > 1, vLLM's custom one off). Returns what a run records."""
     if plugin not in PLUGIN_SWITCHES:
         raise ValueError(f"plugin switch must be one of {PLUGIN_SWITCHES}, got {plugin!r}")
     for key, value in BASE_ENV.items():
@@ -95,22 +87,15 @@ def set_env(plugin: str, *, plugin_allreduce: bool = False) -> dict[str, str | N
     for key in ("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "VLLM_SPECGRAPH", PROFILE_ENV):
         os.environ.pop(key, None)
     os.environ["VLLM_PLUGINS"] = "" if plugin == "none" else PLUGIN_NAME
-    if plugin == "off":
-        os.environ["VLLM_SPECGRAPH"] = "0"
-    if plugin == "once":
-        os.environ[PROFILE_ENV] = "capture-once"
+    os.environ.update(SWITCH_ENV.get(plugin, {}))
     if plugin_allreduce:
         os.environ.setdefault(ALLREDUCE_ENV, "1")
     recorded = RECORDED_ENV + (ALLREDUCE_ENV,) * plugin_allreduce
     return {key: os.environ.get(key) for key in recorded}
 
 
-# ---- what a run reads of the plugin ------------------------------------------------
-
-
 class PluginLogTap(logging.Handler):
-    """Keeps the plugin's first ``limit`` log lines for the result and, with ``echo``,
-    prints them with a fixed prefix (vLLM's format names the file, not the logger)."""
+    """Keeps the plugin's first ``limit`` log lines; ``echo``: prints them, prefixed."""
 
     def __init__(self, sink: list[str], limit: int = PLUGIN_LOG_LIMIT, echo: bool = True) -> None:
         super().__init__(logging.DEBUG)
@@ -128,10 +113,8 @@ class PluginLogTap(logging.Handler):
 
 
 def tap_plugin_logs(sink: list[str]) -> None:
-    """Route the plugin's loggers through one tap, after vLLM configured logging. Each
-    line is printed once: a tap a forked worker inherited (another class, from the
-    launcher's ``__main__``) is replaced and, echoing, ``propagate`` cleared. With
-    ``E2E_PLUGIN_LOG_ECHO=0`` (serve.py checks the server's own log) vLLM prints them."""
+    """Route the plugin's loggers through one tap, after vLLM configured logging: a tap
+    inherited through fork is replaced; echoing, ``propagate`` is cleared (printed once)."""
     echo = os.environ.get(PLUGIN_LOG_ECHO_ENV, "1") != "0"
     tap = PluginLogTap(sink, echo=echo)
     for name in PLUGIN_LOGGERS:
@@ -140,75 +123,24 @@ def tap_plugin_logs(sink: list[str]) -> None:
             lg.removeHandler(inherited)
         lg.addHandler(tap)
         lg.propagate = not echo
-        if lg.getEffectiveLevel() > logging.INFO:
-            lg.setLevel(logging.INFO)
+        lg.setLevel(min(lg.getEffectiveLevel(), logging.INFO))
 
 
 def plugin_info(switch: str, env: dict[str, str | None]) -> dict[str, Any]:
-    """Where the plugin's entry point comes from and whether the package was imported,
-    read after vLLM loaded its general plugins."""
+    """The plugin's entry point, and whether vLLM's general plugins imported it."""
     from importlib.metadata import entry_points
 
     eps = [ep for ep in entry_points(group=PLUGIN_GROUP) if ep.name == PLUGIN_NAME]
     dist = getattr(eps[0], "dist", None) if eps else None
-    mod = sys.modules.get("vllm_specgraph")
+    loaded = "vllm_specgraph" in sys.modules
     return {
         "switch": switch,
         "env": env,
         "entry_point": eps[0].value if eps else None,
-        "entry_points_found": len(eps),
         "dist": f"{dist.name} {dist.version}" if dist is not None else None,
-        "dist_location": str(dist.locate_file("")) if dist is not None else None,
-        "loaded": mod is not None,
-        "module_file": getattr(mod, "__file__", None),
-        "loaded_as_expected": (mod is not None) == (switch != "none"),
+        "loaded": loaded,
+        "loaded_as_expected": loaded == (switch != "none"),
     }
-
-
-RUNNER_KEYS = ("capture_once", "capture_once_fallback", "plugin_report")
-
-
-def runner_record(runner: Any) -> dict[str, Any]:
-    """What a model runner resolved (its and its speculator's classes, the attention
-    backends) and what the plugin left on it: its profile report (null when it attached
-    none), capture-once's outcome (null when absent) and why capture-once fell back
-    (null when it did not; then the exact profile ran, reported as for ``on``)."""
-    record: dict[str, Any] = {}
-    try:  # informational only
-        groups = getattr(runner, "attn_groups", None)
-        backends = None if groups is None else [g.backend.get_name() for gs in groups for g in gs]
-        record["resolved"] = {
-            "runner_class": f"{type(runner).__module__}.{type(runner).__name__}",
-            "speculator_class": type(getattr(runner, "speculator", None)).__name__,
-            "attn_backend": backends,
-        }
-    except Exception as e:
-        record["resolved"] = {"introspect_error": repr(e)}
-    try:
-        report = getattr(runner, "specgraph_profile", None)
-        if report is not None:
-            to_dict = getattr(report, "to_dict", None)
-            missing = {"error": f"{type(report).__name__} has no to_dict()"}
-            report = to_dict() if to_dict else missing
-        outcome = getattr(runner, "specgraph_capture_once", None)
-        record["capture_once"] = None if outcome is None else dataclasses.asdict(outcome)
-        record["capture_once_fallback"] = getattr(runner, "specgraph_capture_once_fallback", None)
-        record["plugin_report"] = report
-    except Exception as e:
-        record["plugin_report"] = {"error": repr(e)}
-    return record
-
-
-def shim_record() -> dict[str, Any]:
-    """How often this process called each compiled op that _C_stable_libtorch.py stands in for."""
-    shim = sys.modules.get("vllm._C_stable_libtorch")
-    return {
-        "shim_calls": dict(getattr(shim, "CALLS", {}) or {}),
-        "shim_active": bool(getattr(shim, "IS_SHIM", False)),
-    }
-
-
-# ---- measurement -------------------------------------------------------------------
 
 
 def as_bytes(value: Any) -> int | str:
@@ -216,20 +148,12 @@ def as_bytes(value: Any) -> int | str:
 
 
 def wrap(method: Callable, measure: Callable) -> Callable:
-    """``method`` as ``measure(method, self, *args, **kwargs)``."""
-
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return measure(method, self, *args, **kwargs)
-
-    return wrapper
+    return lambda self, *args, **kwargs: measure(method, self, *args, **kwargs)
 
 
 class Meter:
-    """Reads figures into ``mem`` (``cuda``: ``torch.cuda``) around three vLLM methods,
-    each wrapper calling the method it replaces: the graph profile's estimate, wall
-    time and what it left taken; the production capture's own figure and wall time
-    (profiling captures counted apart); the KV-cache bytes and the worker's budget.
-    Then the free memory at rest and what one generate took."""
+    """Reads figures into ``mem`` (``cuda``: ``torch.cuda``) around vLLM's graph profile,
+    production capture and KV-cache sizing (wrappers calling the methods they replace)."""
 
     def __init__(self, cuda: Any, mem: dict[str, Any]) -> None:
         self.cuda, self.mem = cuda, mem
@@ -250,74 +174,46 @@ class Meter:
         """Per wrapper: still in place (a later patch would have bypassed it)."""
         return {name: getattr(cls, name) is fn for name, (cls, fn) in self.installed.items()}
 
-    def used(self) -> int:
+    def timed(self, key: str, method: Callable, *args: Any, **kwargs: Any) -> Any:
+        """``method``'s answer; its wall time, to the GPU's end of it, in ``mem[key]``."""
         self.cuda.synchronize()
-        free, total = self.cuda.mem_get_info()
-        return total - free
-
-    @contextmanager
-    def around(self, prefix: str, driver_key: str) -> Iterator[None]:
-        """``prefix``'s wall time, and the driver-level and allocator-reserved bytes it added."""
-        used, reserved, t0 = self.used(), self.cuda.memory_reserved(), time.perf_counter()
-        yield
+        t0 = time.perf_counter()
+        out = method(*args, **kwargs)
         self.cuda.synchronize()
-        self.mem[f"{prefix}_wall_s"] = round(time.perf_counter() - t0, 3)
-        self.mem[driver_key] = self.used() - used
-        self.mem[f"{prefix}_allocator_reserved_delta"] = self.cuda.memory_reserved() - reserved
+        self.mem[key] = round(time.perf_counter() - t0, 3)
+        return out
 
     def profile(self, method: Callable, runner: Any) -> Any:
-        self.cuda.synchronize()
         self.cuda.empty_cache()
-        self.mem["profile_driver_used_before"] = used = self.used()
-        with self.around("profile", "profile_driver_left_taken"):
-            estimate = method(runner)
+        free = self.cuda.mem_get_info()[0]
+        estimate = self.timed("profile_wall_s", method, runner)  # ends synchronized
+        self.mem["profile_driver_left_taken"] = free - self.cuda.mem_get_info()[0]
         self.mem["profile_estimate_bytes"] = as_bytes(estimate)
-        self.cuda.empty_cache()
-        self.mem["profile_driver_left_taken_after_empty_cache"] = self.used() - used
+        self.cuda.empty_cache()  # what the profile freed goes back before the KV cache is taken
         return estimate
 
     def capture(self, method: Callable, runner: Any, *args: Any, **kwargs: Any) -> Any:
-        mem = self.mem
-        if kwargs.get("profile_only"):
-            t0 = time.perf_counter()
-            out = method(runner, *args, **kwargs)
-            mem["profile_only_capture_calls"] = mem.get("profile_only_capture_calls", 0) + 1
-            wall = mem.get("profile_only_capture_wall_s", 0.0) + time.perf_counter() - t0
-            mem["profile_only_capture_wall_s"] = round(wall, 3)
-            return out
-        mem["capture_started"] = True  # a run that dies in the capture says so
-        with self.around("capture", "capture_driver_delta"):
-            actual = method(runner, *args, **kwargs)
-        mem["capture_calls"] = mem.get("capture_calls", 0) + 1
-        mem["capture_actual_bytes"] = as_bytes(actual)
+        if kwargs.get("profile_only"):  # the profile's own captures: part of ``profile``
+            return method(runner, *args, **kwargs)
+        self.mem["capture_started"] = True  # a run that dies in the capture says so
+        actual = self.timed("capture_wall_s", method, runner, *args, **kwargs)
+        self.mem["capture_actual_bytes"] = as_bytes(actual)
         return actual
 
     def budget(self, method: Callable, worker: Any) -> Any:
-        """vLLM 0.33.0's KV-cache budget as its worker kept it: ``kv = requested - non_kv -
-        graph estimate``, ``requested = ceil(total * gpu_memory_utilization)`` from its init
-        snapshot, the headroom the profile run's activation peak above what it kept
-        (capture-once: its profile returned 0, so the peak alone). summarize.py's over
-        budget at rest builds on ``requested - headroom``, never on ``kv_cache_bytes``
-        (capture-once: the reserved most, which would hide what the graphs took)."""
-        mem, t0 = self.mem, time.perf_counter()
+        """vLLM 0.33.0's KV-cache budget as its worker kept it: ``requested`` and the
+        headroom (the profile's activation peak above the graph estimate subtracted)."""
         kv = method(worker)
-        mem["determine_available_memory_wall_s"] = round(time.perf_counter() - t0, 3)
-        mem["kv_cache_bytes"] = int(kv)
+        self.mem["kv_cache_bytes"] = int(kv)
         estimate = getattr(worker, "cudagraph_memory_estimate", None)  # None: it kept none
-        mem["worker_cudagraph_memory_estimate"] = -1 if estimate is None else int(estimate)
-        snapshot = getattr(worker, "init_snapshot", None)
-        needed = ("requested_memory", "peak_activation_memory", "available_kv_cache_memory_bytes")
-        if snapshot is None or not all(hasattr(worker, name) for name in needed):
+        self.mem["worker_cudagraph_memory_estimate"] = -1 if estimate is None else int(estimate)
+        needed = ("init_snapshot", "requested_memory", "peak_activation_memory")
+        if not all(getattr(worker, name, None) is not None for name in needed):
             return kv  # it did not profile: kv_cache_memory_bytes was set
-        requested = int(worker.requested_memory)
+        self.mem["init_free_bytes"] = int(worker.init_snapshot.free_memory)
+        self.mem["requested_bytes"] = int(worker.requested_memory)
         subtracted = 0 if estimate is None else int(estimate)
-        mem["init_free_bytes"] = int(snapshot.free_memory)
-        mem["init_total_bytes"] = int(snapshot.total_memory)
-        mem["requested_bytes"] = requested
-        mem["activation_headroom_bytes"] = int(worker.peak_activation_memory) - subtracted
-        mem["graph_estimate_applied_bytes"] = subtracted
-        non_kv = requested - int(worker.available_kv_cache_memory_bytes) - subtracted
-        mem["non_kv_bytes"] = non_kv
+        self.mem["activation_headroom_bytes"] = int(worker.peak_activation_memory) - subtracted
         return kv
 
     def at_rest(self) -> None:
@@ -327,27 +223,9 @@ class Meter:
         self.cuda.empty_cache()
         self.mem["free_at_rest_bytes"] = int(self.cuda.mem_get_info()[0])
 
-    @contextmanager
-    def step(self) -> Iterator[None]:
-        """Around one generate from rest: driver-level free bytes after it (the
-        allocator keeps its segments) and the allocator's peaks above its start."""
-        cuda = self.cuda
-        cuda.synchronize()
-        cuda.reset_peak_memory_stats()
-        allocated, reserved = cuda.memory_allocated(), cuda.memory_reserved()
-        yield
-        cuda.synchronize()
-        self.mem["free_after_step_bytes"] = int(cuda.mem_get_info()[0])
-        self.mem["step_allocated_peak_bytes"] = int(cuda.max_memory_allocated() - allocated)
-        self.mem["step_reserved_peak_bytes"] = int(cuda.max_memory_reserved() - reserved)
-
-
-# ---- workloads ---------------------------------------------------------------------
-
 
 def prompts_token_ids(n: int, vocab: int) -> list[list[int]]:
-    """``smoke``: deterministic prompts, ids in [1, vocab - 2]; the odd ones repeat a
-    pattern, so that the n-gram speculator finds matches."""
+    """``smoke``'s prompts, ids in [1, vocab - 2]; the odd ones repeat (n-gram matches)."""
     out = []
     for i in range(n):
         if i % 2 == 0:
@@ -358,10 +236,7 @@ def prompts_token_ids(n: int, vocab: int) -> list[list[int]]:
 
 
 def load_requests(vocab: int, n: int, max_model_len: int, seed: int) -> list[Request]:
-    """``load``: ``n`` seeded requests, prompts of 16 to ``max_model_len // 2`` tokens,
-    outputs of 16 to ``max_model_len // 4``, ids in [1, vocab - 2]."""
-    if max_model_len < 4 * LOAD_MIN_LEN:
-        raise ValueError(f"max_model_len must be at least {4 * LOAD_MIN_LEN}, got {max_model_len}")
+    """``load``'s seeded requests: prompts of 16 to max_model_len / 2 tokens, outputs to / 4."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -371,202 +246,109 @@ def load_requests(vocab: int, n: int, max_model_len: int, seed: int) -> list[Req
     return out
 
 
-def read_spec_counters(metrics: list[Any]) -> dict[str, Any]:
-    """``llm.get_metrics()``'s spec-decode counters (a value, or the per-position
-    values) and, under ``ENGINE_STEPS``, the engine steps so far."""
-    out: dict[str, Any] = {}
+def read_spec_counters(metrics: list[Any]) -> dict[str, int]:
+    """``llm.get_metrics()``'s spec-decode counts and engine steps (``ENGINE_STEPS``)."""
+    out: dict[str, int] = {}
     for m in metrics:
-        if "spec_decode" in m.name:
-            value = getattr(m, "value", None)
-            out[m.name] = value if value is not None else getattr(m, "values", None)
+        if "spec_decode" in m.name and isinstance(getattr(m, "value", None), int | float):
+            out[m.name] = int(m.value)
         elif m.name == ENGINE_STEPS:
             out[m.name] = out.get(m.name, 0) + int(m.count)
     return out
 
 
-def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """``after - before`` per counter (element-wise for vectors)."""
+def spec_summary(before: dict[str, int], after: dict[str, int]) -> dict[str, Any]:
+    """Acceptance figures of the spec-decode counts between two reads (None: none)."""
     out: dict[str, Any] = {}
-    for name, value in after.items():
-        old = before.get(name)
-        if isinstance(value, list):
-            old = old if isinstance(old, list) else []
-            out[name] = [v - (old[i] if i < len(old) else 0) for i, v in enumerate(value)]
-        elif isinstance(value, int | float):
-            out[name] = value - (old if isinstance(old, int | float) else 0)
+    for name in ("drafts", "draft_tokens", "accepted_tokens"):
+        key = f"vllm:spec_decode_num_{name}"
+        out[name] = after[key] - before.get(key, 0) if key in after else None
+    drafted, accepted = out["draft_tokens"], out["accepted_tokens"]
+    ok = drafted and accepted is not None
+    out["acceptance_rate"] = round(accepted / drafted, 4) if ok else None
     return out
 
 
-def spec_summary(metrics: dict[str, Any]) -> dict[str, Any]:
-    """Acceptance figures from vLLM's spec-decode counters."""
-
-    def count(name: str) -> int | None:
-        v = metrics.get(f"vllm:spec_decode_{name}")
-        return int(v) if isinstance(v, int | float) else None
-
-    drafts, draft_tokens = count("num_drafts"), count("num_draft_tokens")
-    accepted = count("num_accepted_tokens")
-    ok = accepted is not None
-    return {
-        "drafts": drafts,
-        "draft_tokens": draft_tokens,
-        "accepted_tokens": accepted,
-        "acceptance_rate": round(accepted / draft_tokens, 4) if ok and draft_tokens else None,
-        "mean_acceptance_length": round(1 + accepted / drafts, 3) if ok and drafts else None,
-    }
-
-
 def plugin_share(
-    generate: Generate, requests: list[Request], package_dir: str, read_steps: Callable
+    generate: Generate, requests: list[Request], package_dir: str, read_counters: Counters
 ) -> dict[str, Any]:
-    """What the code under ``package_dir`` costs a step: one generate under cProfile,
-    the time in that package's own functions (their ``tottime``, with the
-    profiler's charge per call) over the whole generate's; ``read_steps``: the
-    engine steps so far."""
+    """One generate under cProfile: the share of its time in the functions under
+    ``package_dir`` (their ``tottime``), and that time per engine step."""
     profiler = cProfile.Profile()
-    steps_before = read_steps()
-    profiler.enable()
-    generate(requests)
-    profiler.disable()
-    steps = (read_steps() or 0) - (steps_before or 0)
+    steps_before = read_counters().get(ENGINE_STEPS, 0)
+    profiler.runcall(generate, requests)
+    steps = read_counters().get(ENGINE_STEPS, 0) - steps_before
     stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, calls, tottime, cum, _)
     total = sum(tottime for _, _, tottime, _, _ in stats.values())
-    ours = {key: value for key, value in stats.items() if key[0].startswith(package_dir)}
-    seconds = sum(tottime for _, _, tottime, _, _ in ours.values())
-    calls = sum(calls for _, calls, _, _, _ in ours.values())
-    top = sorted(ours.items(), key=lambda kv: -kv[1][2])[:5]
+    seconds = sum(v[2] for key, v in stats.items() if key[0].startswith(package_dir))
     return {
-        "profiled_s": round(total, 4),
-        "plugin_s": round(seconds, 6),
         "plugin_share": round(seconds / total, 6) if total else None,
-        "engine_steps": steps,
-        "plugin_calls_per_step": round(calls / steps, 2) if steps else None,
         "plugin_us_per_step": round(1e6 * seconds / steps, 2) if steps else None,
-        "plugin_top": [f"{name} {1e6 * v[2]:.0f} us / {v[1]} calls" for (_, _, name), v in top],
     }
 
 
-def run_load(
+def run_workload(
+    args: argparse.Namespace,
     generate: Generate,
-    read_counters: Callable[[], dict[str, Any]],
-    requests: list[Request],
-    warmup: list[Request],
-    repeats: int,
+    read_counters: Counters,
+    result: dict[str, Any],
+    share_of: str | None = None,
     clock: Callable[[], float] = time.perf_counter,
-) -> dict[str, Any]:
-    """Warm up, then time ``repeats`` generates of ``requests``: tokens/s and the mean
-    engine-step time per repeat, the best and median tokens/s, the median step
-    time, the first repeat's tokens, whether every repeat gave the same, and the
-    spec-decode counters over the timed repeats only."""
-    if repeats < 1:
-        raise ValueError(f"repeats must be at least 1, got {repeats}")
-    generate(warmup)
+) -> None:
+    """``smoke`` (one generate) or ``load`` (a warm-up, then timed repeats, each one's
+    tokens/s and step time, and ``share_of``'s share); spec figures of the timed only."""
+    vocab, most = vocab_size(args.size), SIZES[args.size]["max_model_len"]
+    if args.workload == "smoke":
+        requests = [(ids, SMOKE_MAX_TOKENS) for ids in prompts_token_ids(SMOKE_PROMPTS, vocab)]
+        repeats = 1
+    else:
+        requests = load_requests(vocab, args.load_requests, most, LOAD_SEED)
+        warmup = load_requests(vocab, LOAD_WARMUP_REQUESTS, most, LOAD_SEED + 1)
+        generate([(ids, min(n, LOAD_WARMUP_MAX_TOKENS)) for ids, n in warmup])
+        repeats = args.load_repeats
     first = last = read_counters()
     timings, outputs = [], []
     for _ in range(repeats):
         start = clock()
         outputs.append(generate(requests))
         wall, now = clock() - start, read_counters()
-        steps = counter_delta(last, now).get(ENGINE_STEPS) if ENGINE_STEPS in last else None
+        steps = now[ENGINE_STEPS] - last[ENGINE_STEPS] if ENGINE_STEPS in last else None
         generated, last = sum(len(t) for t in outputs[-1]), now
         timings.append({"wall_s": round(wall, 4), "generated_tokens": generated})
         timings[-1]["tokens_per_s"] = round(generated / wall, 1) if wall > 0 else None
         timings[-1]["engine_steps"] = steps
         timings[-1]["step_ms"] = round(1000 * wall / steps, 3) if steps else None
-    delta = counter_delta(first, last)
-    rates = [t["tokens_per_s"] for t in timings if t["tokens_per_s"] is not None]
-    step_times = [t["step_ms"] for t in timings if t["step_ms"] is not None]
-    return {
-        "num_requests": len(requests),
-        "prompt_tokens": sum(len(ids) for ids, _ in requests),
-        "max_tokens": sum(n for _, n in requests),
-        "warmup_requests": len(warmup),
-        "repeats": timings,
-        "tokens_per_s_best": max(rates) if rates else None,
-        "tokens_per_s_median": statistics.median(rates) if rates else None,
-        "step_ms_median": statistics.median(step_times) if step_times else None,
-        "repeats_equal": all(out == outputs[0] for out in outputs),
-        "spec_counters": delta,
-        "spec": spec_summary(delta),
-        "tokens": outputs[0],
-    }
-
-
-def run_workload(
-    args: argparse.Namespace,
-    vocab: int,
-    generate: Generate,
-    read_counters: Callable[[], dict[str, Any]],
-    meter: Meter | None,
-    result: dict[str, Any],
-    share_of: str | None = None,
-) -> None:
-    """Run ``args.workload`` (token ids below ``vocab``) and record its tokens, timings
-    and spec-decode figures; ``meter`` (TP=1: this process's GPU) takes the free memory
-    at rest and what the smoke generate took; ``share_of``: the package whose share of
-    a load step ``plugin_share`` measures."""
-    if meter is not None:
-        meter.at_rest()
+    result |= {"tokens": outputs[0], "spec": spec_summary(first, last)}
+    result["generate_s"] = round(sum(t["wall_s"] for t in timings), 2)
     if args.workload == "load":
-        most = SIZES[args.size]["max_model_len"]
-        requests = load_requests(vocab, args.load_requests, most, LOAD_SEED)
-        warmup = load_requests(vocab, LOAD_WARMUP_REQUESTS, most, LOAD_SEED + 1)
-        warmup = [(ids, min(n, LOAD_WARMUP_MAX_TOKENS)) for ids, n in warmup]
-        load = run_load(generate, read_counters, requests, warmup, args.load_repeats)
+        load = {"num_requests": len(requests), "repeats": timings, "spec": result["spec"]}
+        result["load"] = load | {"repeats_equal": all(out == outputs[0] for out in outputs)}
         if share_of is not None:
             half = requests[: max(1, len(requests) // 2)]
-            steps = lambda: read_counters().get(ENGINE_STEPS)  # noqa: E731
-            load["plugin_share"] = plugin_share(generate, half, share_of, steps)
-        result |= {"tokens": load.pop("tokens"), "load": load, "spec": load["spec"]}
-        result["generate_s"] = sum(r["wall_s"] for r in load["repeats"])
-        return
-    prompts = prompts_token_ids(SMOKE_PROMPTS, vocab)
-    t0 = time.time()
-    with meter.step() if meter is not None else nullcontext():
-        result["tokens"] = generate([(ids, SMOKE_MAX_TOKENS) for ids in prompts])
-    result["generate_s"] = round(time.time() - t0, 2)
-    try:
-        result["spec_metrics"] = read_counters()
-        result["spec"] = spec_summary(result["spec_metrics"])
-    except Exception as e:
-        result["spec_metrics"] = {"error": repr(e)}
-
-
-# ---- the engine and the model ------------------------------------------------------
+            result["load"]["plugin_share"] = plugin_share(generate, half, share_of, read_counters)
 
 
 def speculative_config(case: str, size: str) -> dict[str, Any] | None:
-    if case in ("draft", "accept"):  # accept: the target itself, so every draft is accepted
-        model = config_dir(size, "model" if case == "accept" else "draft")
-        return {"method": "draft_model", "model": model, "num_speculative_tokens": NUM_SPEC}
-    if case == "eagle":
-        model = config_dir(size, "eagle")
-        return {"method": "eagle", "model": model, "num_speculative_tokens": NUM_SPEC}
+    if case == "base":
+        return None
+    spec = {"method": SPEC_METHODS[case], "num_speculative_tokens": NUM_SPEC}
     if case == "ngram":
-        lookup = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
-        return {"method": "ngram", "num_speculative_tokens": NUM_SPEC} | lookup
-    return None
+        return spec | {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    return spec | {"model": os.path.join(CONFIGS, SIZES[size][SPEC_MODELS[case]])}
 
 
 def llm_kwargs(
     size: str, case: str, graph_mode: str = "compile", tp: int = 1, custom_all_reduce: bool = False
 ) -> dict[str, Any]:
-    """``LLM(...)``'s arguments; at ``tp`` > 1 also the multiprocess executor, custom
-    all-reduce off unless asked for, and the worker extension."""
+    """``LLM(...)``'s arguments (``tp`` > 1: the multiprocess executor and the extension)."""
     preset = SIZES[size]
     compilation = {**GRAPH_MODES[graph_mode], "custom_ops": ["none"]}
     if preset["capture_sizes"] is not None:
         compilation["cudagraph_capture_sizes"] = list(preset["capture_sizes"])
-    kw = {
-        "model": config_dir(size),
-        "skip_tokenizer_init": True,
-        "load_format": "dummy",
-        "dtype": preset["dtype"],
-        "seed": 0,
-        "max_model_len": preset["max_model_len"],
-        "max_num_seqs": preset["max_num_seqs"],
-        "max_num_batched_tokens": preset["max_num_batched_tokens"],
-        "gpu_memory_utilization": preset["gpu_memory_utilization"],
+    model = os.path.join(CONFIGS, preset["model"])
+    kw = {"model": model, "skip_tokenizer_init": True, "load_format": "dummy"}
+    kw |= {"seed": 0} | {key: preset[key] for key in ENGINE_SETTINGS.split()}
+    kw |= {
         "enforce_eager": False,
         "enable_prefix_caching": False,
         "attention_config": {"backend": "TRITON_ATTN"},
@@ -586,11 +368,8 @@ def llm_kwargs(
 
 
 def refill_weights(runner: Any, std: float, tp_rank: int = 0) -> dict[str, Any]:
-    """Refill the target's and the speculator's floating parameters in place with
-    N(0, std) seeded by name (norm weights: 1): vLLM's dummy weights make greedy output
-    one repeated token. Storage a speculator shares with the target (an EAGLE head's
-    embedding and head) stays the target's; on ``tp_rank`` > 0 a shard's seed also
-    names the rank, a replicated parameter's does not. The graphs keep their addresses."""
+    """Floating parameters refilled in place, N(0, std) seeded by name (norms: 1), storage
+    shared with the target left the target's; ``tp_rank`` > 0: a shard's seed names it."""
     import torch
 
     speculator = getattr(getattr(runner, "speculator", None), "model", None)
@@ -617,292 +396,150 @@ def refill_weights(runner: Any, std: float, tp_rank: int = 0) -> dict[str, Any]:
     return counts
 
 
-def sharded_parameter_names(
-    model: Any, split: tuple | None = None, split_weight_only: tuple | None = None
-) -> set[str]:
-    """The parameters that hold one rank's shard, in layers of more than one rank:
-    every parameter of a ``split`` layer (vLLM's column-parallel linears and
-    vocabulary-parallel embeddings and heads), the weight of a ``split_weight_only``
-    one (row-parallel linears, whose bias is whole on every rank)."""
-    if split is None or split_weight_only is None:
+def sharded_parameter_names(model: Any, split: tuple = (), weight_only: tuple = ()) -> set[str]:
+    """The parameters of one rank's shard: all of a ``split`` layer's (column-parallel,
+    vocabulary-parallel), the weight of a ``weight_only`` one's (row-parallel)."""
+    if not split:
         from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
         split = (ColumnParallelLinear, VocabParallelEmbedding)
-        split_weight_only = (RowParallelLinear,)
+        weight_only = (RowParallelLinear,)
     ids: set[int] = set()
     for _, module in model.named_modules():
         if getattr(module, "tp_size", 1) <= 1:
             continue
         if isinstance(module, split):
             ids.update(id(p) for p in module.parameters(recurse=False))
-        elif isinstance(module, split_weight_only) and getattr(module, "weight", None) is not None:
+        elif isinstance(module, weight_only) and getattr(module, "weight", None) is not None:
             ids.add(id(module.weight))
     return {name for name, p in model.named_parameters() if id(p) in ids}
 
 
-# ---- the measuring side: a worker's process ----------------------------------------
-
-WORKER_ENV_KEYS = (  # what a worker inherited and how it was started
-    *("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"),
-    *("VLLM_PLUGINS", "VLLM_SPECGRAPH", "VLLM_USE_V2_MODEL_RUNNER"),
-    *("VLLM_WORKER_MULTIPROC_METHOD", "CUDA_VISIBLE_DEVICES", "PYTHONPATH"),
-)
-# The measuring side's state in its process (one worker per process).
-STATE: dict[str, Any] = {"meter": None, "plugin_log": []}
-
-
-class RankFigures(dict):
-    """A rank's figures; each one set is also written to ``path`` (best effort: a
-    figure that cannot be written must not stop the engine)."""
-
-    def __init__(self, rank: int, path: str | None) -> None:
-        super().__init__()
-        self.rank, self.path = rank, path
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        super().__setitem__(key, value)
-        self.persist()
-
-    def persist(self) -> None:
-        if not self.path:
-            return
-        try:
-            figures = {"rank": self.rank, "pid": os.getpid(), "mem": dict(self)}
-            with open(self.path + ".tmp", "w") as f:
-                json.dump(figures, f, default=str)
-            os.replace(self.path + ".tmp", self.path)
-        except OSError as e:
-            print(f"run_llm.py: cannot write {self.path}: {e!r}", file=sys.stderr, flush=True)
-
-
-def install_meter(mem: dict[str, Any]) -> Meter:
-    """The wrappers on MRV2's runner and the GPU worker, once per process, after the
-    plugin patched them."""
-    if STATE["meter"] is None:
-        import torch
-        from vllm.v1.worker import gpu_worker
-        from vllm.v1.worker.gpu import model_runner as mr2
-
-        STATE["meter"] = Meter(torch.cuda, mem).install(mr2.GPUModelRunner, gpu_worker.Worker)
-    return STATE["meter"]
-
-
-def tp_rank_of(worker: Any) -> int:
-    try:
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        return int(get_tensor_model_parallel_rank())
-    except Exception:
-        return int(getattr(worker, "rank", 0))
-
-
-def gpu_of(cuda: Any) -> dict[str, Any]:
-    try:
-        index = cuda.current_device()
-        name, total = cuda.get_device_name(index), cuda.mem_get_info()[1]
-        return {"index": index, "name": name, "total_bytes": total}
-    except Exception as e:
-        return {"error": repr(e)}
-
-
 class E2EWorkerExtension:
-    """Mixed into vLLM's worker class by ``worker_extension_cls`` (every name unlike a
-    worker's, as vLLM checks): the measuring side of this script in each worker."""
+    """Mixed into vLLM's worker class by ``worker_extension_cls`` (no name a worker's)."""
 
     def init_worker_extension(self) -> None:
-        """vLLM calls it once the worker's device is set, before the model loads."""
+        """The log tap and, once per process, the wrappers over the plugin's patches."""
         tap_plugin_logs(STATE["plugin_log"])
-        rank, rank_dir = int(getattr(self, "rank", 0)), os.environ.get(RANK_DIR_ENV)
-        mem = RankFigures(rank, os.path.join(rank_dir, f"rank{rank}.json") if rank_dir else None)
-        mem.persist()  # the file says the worker got this far even before any figure
-        install_meter(mem)
+        if STATE["meter"] is None:
+            import torch
+            from vllm.v1.worker import gpu_worker
+            from vllm.v1.worker.gpu import model_runner as mr2
 
-    def e2e_rank_record(self, switch: str) -> dict[str, Any]:
-        """This rank's figures and state, as plain data (it crosses process boundaries)."""
-        meter: Meter | None = STATE["meter"]
-        env = {k: os.environ.get(k) for k in ("VLLM_PLUGINS", "VLLM_SPECGRAPH")}
+            STATE["meter"] = Meter(torch.cuda, {}).install(mr2.GPUModelRunner, gpu_worker.Worker)
+
+    def e2e_rank_record(self, _switch: str = "") -> dict[str, Any]:
+        """This rank's figures and what the plugin left on its runner, as plain data."""
+        meter, runner = STATE["meter"], getattr(self, "model_runner", None)
+        report = getattr(runner, "specgraph_profile", None)
+        outcome = getattr(runner, "specgraph_capture_once", None)
         return {
             "rank": int(getattr(self, "rank", 0)),
-            "tp_rank": tp_rank_of(self),
-            "local_rank": int(getattr(self, "local_rank", 0)),
-            "pid": os.getpid(),
-            "start_method": multiprocessing.get_start_method(allow_none=True),
-            "env": {k: os.environ.get(k) for k in WORKER_ENV_KEYS},
-            "gpu": gpu_of(meter.cuda) if meter is not None else None,
-            "mem": dict(meter.mem) if meter is not None else None,
-            "wrappers_intact": meter.intact() if meter is not None else None,
-            "plugin": plugin_info(switch, env),
+            "gpu": {"name": meter.cuda.get_device_name()},
+            "mem": dict(meter.mem),
+            "wrappers_intact": meter.intact(),
             "plugin_log": list(STATE["plugin_log"]),
-            **shim_record(),
-            **runner_record(getattr(self, "model_runner", None)),
+            "plugin_report": None if report is None else report.to_dict(),
+            "capture_once": None if outcome is None else dataclasses.asdict(outcome),
+            "capture_once_fallback": getattr(runner, "specgraph_capture_once_fallback", None),
         }
 
     def e2e_reinit_weights(self, std: float | str) -> dict[str, Any]:
-        """``refill_weights`` on this rank (serve.py sends ``std`` as a string through
-        /collective_rpc)."""
-        rank, tp_rank = int(getattr(self, "rank", 0)), tp_rank_of(self)
-        counts = refill_weights(self.model_runner, float(std), tp_rank)
-        return {"rank": rank, "tp_rank": tp_rank} | counts
+        """``refill_weights`` on this rank (its TP rank); ``std`` may come as a string."""
+        rank = int(getattr(self, "rank", 0))
+        return {"rank": rank} | refill_weights(self.model_runner, float(std), rank)
 
 
 def on_workers(llm: Any, tp: int, method: str, *args: Any) -> list[dict]:
-    """An ``E2EWorkerExtension`` method's answer from every rank, in rank order: at TP=1
-    called on this process's worker (instrumented by the run itself), at TP > 1
-    through ``collective_rpc``."""
+    """An ``E2EWorkerExtension`` method's answer from every rank, in rank order."""
     if tp == 1:
         worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
         return [getattr(E2EWorkerExtension, method)(worker, *args)]
-    return sorted(llm.collective_rpc(method, args=args), key=lambda r: r.get("rank", 0))
+    return sorted(llm.collective_rpc(method, args=args), key=lambda r: r["rank"])
 
 
-def merge_wrappers_intact(ranks: list[dict]) -> dict[str, bool]:
-    """Per wrapper: still in place on every rank."""
-    out: dict[str, bool] = {}
-    for r in ranks:
-        for name, ok in (r.get("wrappers_intact") or {}).items():
-            out[name] = out.get(name, True) and bool(ok)
-    return out
-
-
-def prepare_workers(out: str) -> dict[str, str]:
-    """Let the workers import the extension (spawned ones get ``sys.path``,
-    ``PYTHONPATH`` covers any other start) and give them an empty rank directory."""
+def prepare_workers(out: str) -> None:
+    """Let the workers import the extension (``sys.path``, ``PYTHONPATH``)."""
     if HERE not in sys.path:
         sys.path.insert(0, HERE)
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if HERE not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([HERE, *paths])
-    rank_dir = out + ".ranks"
-    os.makedirs(rank_dir, exist_ok=True)
-    for name in os.listdir(rank_dir):
-        if name.startswith("rank") and name.endswith(".json"):
-            os.remove(os.path.join(rank_dir, name))
-    os.environ[RANK_DIR_ENV] = rank_dir
-    return {"PYTHONPATH": os.environ["PYTHONPATH"], RANK_DIR_ENV: rank_dir}
 
 
-def read_rank_files(rank_dir: str) -> list[dict]:
-    """What the workers wrote as they measured, for a run that failed before reading
-    them back through ``collective_rpc``."""
-    ranks = []
-    for name in sorted(os.listdir(rank_dir)) if os.path.isdir(rank_dir) else ():
-        if name.startswith("rank") and name.endswith(".json"):
-            try:
-                with open(os.path.join(rank_dir, name)) as f:
-                    ranks.append(json.load(f))
-            except (OSError, ValueError):
-                continue
-    return sorted(ranks, key=lambda r: r.get("rank", 0))
+def save(run: dict[str, Any], path: str, stage: str | None = None) -> None:
+    """The run's JSON, written at every stage: a run cut off keeps what it measured."""
+    run["stage"] = stage or run["stage"]
+    run["measured_utc"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    with open(path, "w") as f:
+        json.dump(run, f, indent=1, default=str)
 
 
-# ---- the run -----------------------------------------------------------------------
+def record_ranks(llm: Any, tp: int, run: dict[str, Any]) -> None:
+    """Every rank's record (TP=1: in the run's own fields), and the wrappers' state."""
+    ranks = on_workers(llm, tp, "e2e_rank_record")
+    intact = [r["wrappers_intact"] for r in ranks]
+    run["plugin"]["wrappers_intact"] = {name: all(i[name] for i in intact) for name in intact[0]}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    run["gpu"] = {"name": ranks[0]["gpu"]["name"], "visible_devices": visible}
+    if tp == 1:
+        run |= {k: ranks[0][k] for k in ("plugin_report", "capture_once", "capture_once_fallback")}
+    else:
+        run["ranks"] = ranks
 
 
-class RunRecord(dict):
-    """The run's JSON, written to ``path`` at every stage, so that a run cut off keeps
-    what it measured."""
-
-    def __init__(self, path: str, **fields: Any) -> None:
-        super().__init__(fields, ok=False, stage="import")
-        self.path = path
-
-    def save(self, stage: str | None = None) -> None:
-        self["stage"] = stage or self["stage"]
-        self["measured_utc"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
-        with open(self.path, "w") as f:
-            json.dump(self, f, indent=1, default=str)
-
-
-def start_engine(args: argparse.Namespace, run: RunRecord) -> Any:
-    """Import vLLM, load the plugin (vLLM's later calls are then no-ops, and the
-    wrappers wrap whatever it patched), instrument this process at TP=1 (the extension
-    does each worker at TP > 1) and start the engine."""
+def run_engine(args: argparse.Namespace, run: dict[str, Any]) -> None:
+    """Load the plugin, start the engine (``STATE["llm"]``), record what it resolved,
+    refill the weights; then the workload from rest, greedy with ``ignore_eos``."""
     import torch
-
-    run["torch"], t0 = torch.__version__, time.perf_counter()
     import vllm
     from vllm.plugins import load_general_plugins
 
-    run["vllm"], run["import_s"] = vllm.__version__, round(time.perf_counter() - t0, 1)
-    run["plugin_log"] = STATE["plugin_log"]
+    run |= {"torch": torch.__version__, "vllm": vllm.__version__, "plugin_log": STATE["plugin_log"]}
     tap_plugin_logs(STATE["plugin_log"])
     load_general_plugins()
     run["plugin"] = plugin_info(args.plugin, run["plugin"]["env"])
     if args.tp == 1:
-        run["mem"] = install_meter({}).mem
+        E2EWorkerExtension.init_worker_extension(None)
+        run["mem"] = STATE["meter"].mem
     kw = llm_kwargs(args.size, args.case, args.graph_mode, args.tp, args.custom_all_reduce)
     run["llm_kwargs"] = kw
-    run.save("init")
+    save(run, args.out, "init")
     t0 = time.perf_counter()
-    llm = vllm.LLM(**kw)
-    seconds = time.perf_counter() - t0
-    run["startup_s"], run["init_s"] = round(seconds, 2), round(seconds, 1)
-    return llm
-
-
-def read_start_up(llm: Any, args: argparse.Namespace, run: RunRecord) -> None:
-    """What start-up resolved and every rank measured, then the weight refill."""
-    import torch
-
+    llm = STATE["llm"] = vllm.LLM(**kw)
+    run["startup_s"] = round(time.perf_counter() - t0, 2)
     vc = llm.llm_engine.vllm_config
     cc, compilation = vc.cache_config, vc.compilation_config
-    ranks = on_workers(llm, args.tp, "e2e_rank_record", args.plugin)
     run["resolved"] = {
-        "use_v2_model_runner": vc.use_v2_model_runner,
         "cudagraph_mode": str(compilation.cudagraph_mode),
         "compilation_mode": str(compilation.mode),
         "capture_sizes": compilation.cudagraph_capture_sizes,
         "num_capture_sizes": len(compilation.cudagraph_capture_sizes or []),
-        "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens,
         "num_gpu_blocks": cc.num_gpu_blocks,
         "block_size": cc.block_size,
         "spec_method": vc.speculative_config.method if vc.speculative_config else None,
-        **ranks[0]["resolved"],  # rank 0's runner, as its worker read it
     }
-    if cc.num_gpu_blocks is not None and cc.block_size is not None:
-        run["kv_tokens"] = int(cc.num_gpu_blocks) * int(cc.block_size)
-    run["plugin"]["wrappers_intact"] = merge_wrappers_intact(ranks)
-    gpu = ranks[0]["gpu"] or {}
-    run["gpu"] = {"name": gpu.get("name"), "total_bytes": gpu.get("total_bytes")}
-    run["gpu"]["cuda"] = torch.version.cuda
-    if args.tp == 1:  # this process's runner: what the plugin left on it, in the run's own
-        run["gpu"]["visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
-        run |= {k: ranks[0][k] for k in RUNNER_KEYS if k in ranks[0]}
-    else:
-        run["gpu"]["ranks"], run["ranks"] = len(ranks), ranks
-    done = on_workers(llm, args.tp, "e2e_reinit_weights", REINIT_STD)
-    run["reinit_params"] = done[0]["params"] + done[0]["spec_params"]
-    if done[0]["spec_model"]:
-        run["reinit_spec_params"] = done[0]["spec_params"]
-    if args.tp > 1:
-        run["reinit_ranks"] = done
-
-
-def measure(llm: Any, args: argparse.Namespace, run: RunRecord) -> None:
-    """The workload, greedy with ``ignore_eos``; at TP > 1 every rank's record again
-    (the stand-ins' calls then include generation)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+    run["kv_tokens"] = int(cc.num_gpu_blocks or 0) * int(cc.block_size)
+    record_ranks(llm, args.tp, run)
+    refilled = on_workers(llm, args.tp, "e2e_reinit_weights", REINIT_STD)
+    if min(r["params"] for r in refilled) <= 0:
+        raise RuntimeError(f"the weight refill refilled nothing: {refilled!r:.300}")
+    save(run, args.out, "generate")  # the start-up figures, even if generation is cut off
 
     def generate(requests: list[Request]) -> list[list[int]]:
-        prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in requests]
+        prompts = [vllm.TokensPrompt(prompt_token_ids=ids) for ids, _ in requests]
         how = {"ignore_eos": True, "detokenize": False, "temperature": 0.0}
-        params = [SamplingParams(max_tokens=n, **how) for _, n in requests]
+        params = [vllm.SamplingParams(max_tokens=n, **how) for _, n in requests]
         return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    def counters() -> dict[str, Any]:
-        return read_spec_counters(llm.get_metrics())
-
     share_of = None  # at TP > 1 the plugin's hot path runs out of this profiler's sight
-    if args.plugin == "on" and args.tp == 1:
-        import vllm_specgraph
-
-        share_of = os.path.dirname(vllm_specgraph.__file__) + os.sep
-    run_workload(args, vocab_size(args.size), generate, counters, STATE["meter"], run, share_of)
-    run |= shim_record()
-    if args.tp > 1:
-        run["ranks"] = on_workers(llm, args.tp, "e2e_rank_record", args.plugin)
+    if args.tp == 1:
+        STATE["meter"].at_rest()
+        if args.plugin == "on":
+            share_of = os.path.dirname(sys.modules["vllm_specgraph"].__file__) + os.sep
+    run_workload(args, generate, lambda: read_spec_counters(llm.get_metrics()), run, share_of)
+    record_ranks(llm, args.tp, run)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -919,46 +556,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--custom-all-reduce", action="store_true", help="at --tp > 1: keep it on")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    if args.tp < 1:
-        ap.error("--tp must be at least 1")
+    if args.tp < 1 or args.load_repeats < 1:
+        ap.error("--tp and --load-repeats must be at least 1")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     env = set_env(args.plugin, plugin_allreduce=args.tp > 1 and not args.custom_all_reduce)
-    run = RunRecord(args.out, size=args.size, case=args.case)
-    run |= {"plugin": {"switch": args.plugin, "env": env}, "graph_mode": args.graph_mode}
+    run: dict[str, Any] = {"size": args.size, "case": args.case, "graph_mode": args.graph_mode}
+    run |= {"plugin": {"switch": args.plugin, "env": env}, "ok": False, "stage": "import"}
     run |= {"commit": os.environ.get(COMMIT_ENV), "workload": args.workload}
     if args.workload == "load":  # in the result: a run that fails early still says it
         run["load_round"] = args.load_round
     if args.tp > 1:
-        run["tp"], run["workers_env"] = args.tp, prepare_workers(args.out)
-    llm = None
+        run["tp"] = args.tp
+        prepare_workers(args.out)
     try:
-        llm = start_engine(args, run)
-        read_start_up(llm, args, run)
-        run.save("generate")  # keep the start-up figures even if generation is cut off
-        measure(llm, args, run)
+        run_engine(args, run)
         run["ok"] = True
-        run.save("done")
+        save(run, args.out, "done")
         return 0
     except BaseException as e:
         run["error"], run["traceback"] = repr(e), traceback.format_exc()
         traceback.print_exc()
-        if args.tp > 1 and not run.get("ranks"):
-            run["ranks"] = read_rank_files(run["workers_env"][RANK_DIR_ENV])
-        run.save()
+        save(run, args.out)
         return 1
     finally:
-        if llm is not None and args.tp > 1:  # the workers' GPU memory, free for the next run
+        if STATE["llm"] is not None and args.tp > 1:  # the workers' GPU memory, freed
             try:
-                t0 = time.perf_counter()
-                llm.llm_engine.engine_core.shutdown()
-                run["shutdown_s"] = round(time.perf_counter() - t0, 2)
+                STATE["llm"].llm_engine.engine_core.shutdown()
             except Exception:
                 traceback.print_exc()
-            run.save()
 
 
 if __name__ == "__main__":
